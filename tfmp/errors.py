@@ -1,0 +1,20 @@
+"""The one exception type for mistakes a user can fix.
+
+Library code raises `UsageError` for bad input (unknown names, impossible combinations,
+malformed TF_CONFIG, indivisible batch sizes). Apps catch it, print its one-line message and
+exit with status 2 - no traceback, nothing written. Anything else is a bug and keeps its
+traceback.
+"""
+
+
+class UsageError(ValueError):
+    """A user-fixable error; the message names the bad value and the fix."""
+
+
+def unknown(kind: str, value: str, choices) -> UsageError:
+    """`unknown model 'resnet9'; choose one of: lenet, mnist_mlp, ...`."""
+    return UsageError(f"unknown {kind} {value!r}; choose one of: {', '.join(sorted(choices))}")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became non-finite where no loss scaler can skip the step (exit status 3)."""
