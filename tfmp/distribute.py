@@ -1,0 +1,211 @@
+"""Choosing and describing the `tf.distribute.Strategy` a run uses.
+
+    from tfmp import distribute
+    distribute.split_cpu(2)                       # before TensorFlow touches a device
+    strategy = distribute.get_strategy("auto")
+    distribute.per_replica_batch(256, strategy)   # 128 on 2 replicas; refuses 100 on 3
+
+Strategies: `default` (no distribution), `one_device` (first GPU, else the CPU), `mirrored`
+(all local GPUs, or the logical CPUs made by `split_cpu`), `multi_worker`
+(MultiWorkerMirroredStrategy; every host runs the same program with its own TF_CONFIG), and
+`auto`: multi_worker when TF_CONFIG names more than one task, mirrored with more than one local
+device, else default. Batch sizes are always global: every replica gets global / replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+import tensorflow as tf
+from absl import logging
+
+from tfmp.errors import UsageError, unknown
+
+STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+LR_SCALING = ("none", "linear", "sqrt")
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """A validated TF_CONFIG."""
+
+    cluster: dict[str, list[str]]
+    task_type: str
+    task_index: int
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.cluster.get("chief", [])) + len(self.cluster.get("worker", []))
+
+    @property
+    def is_chief(self) -> bool:
+        # Without an explicit chief, worker 0 plays the chief (TensorFlow's convention).
+        if "chief" in self.cluster:
+            return self.task_type == "chief"
+        return self.task_type == "worker" and self.task_index == 0
+
+    @property
+    def address(self) -> str:
+        return self.cluster[self.task_type][self.task_index]
+
+
+def parse_tf_config(raw: str | None) -> ClusterConfig | None:
+    """Validates TF_CONFIG before TensorFlow reads it: TF hangs or crashes on most mistakes."""
+    if not raw or not raw.strip():
+        return None
+    fix = 'expected {"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"TF_CONFIG is not valid JSON ({error.msg} at char {error.pos}); {fix}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
+        raise UsageError(f"TF_CONFIG has no 'cluster' object; {fix}")
+    cluster = config["cluster"]
+    for task_type, addresses in cluster.items():
+        if task_type not in TASK_TYPES:
+            raise UsageError(f"TF_CONFIG cluster has unknown task type {task_type!r}; "
+                             f"use {', '.join(TASK_TYPES)}")
+        if not isinstance(addresses, list) or not addresses:
+            raise UsageError(f"TF_CONFIG cluster[{task_type!r}] must be a non-empty list of host:port")
+        for address in addresses:
+            match = _ADDRESS.match(str(address))
+            if not match or not 0 < int(match.group(2)) < 65536:
+                raise UsageError(f"TF_CONFIG cluster[{task_type!r}] has {address!r}, "
+                                 "not host:port with a port in 1-65535")
+    if len(cluster.get("chief", [])) > 1:
+        raise UsageError(f"TF_CONFIG names {len(cluster['chief'])} chiefs; at most one is allowed")
+    if "chief" not in cluster and "worker" not in cluster:
+        raise UsageError(f"TF_CONFIG cluster has neither 'chief' nor 'worker' tasks; {fix}")
+    task = config.get("task")
+    if not isinstance(task, dict) or "type" not in task or "index" not in task:
+        raise UsageError(f"TF_CONFIG has no 'task' with 'type' and 'index'; {fix}")
+    task_type, task_index = task["type"], task["index"]
+    if task_type not in cluster:
+        raise UsageError(f"TF_CONFIG task type {task_type!r} is not in the cluster "
+                         f"({', '.join(cluster)})")
+    if not isinstance(task_index, int) or not 0 <= task_index < len(cluster[task_type]):
+        raise UsageError(f"TF_CONFIG task index {task_index!r} is out of range for "
+                         f"{len(cluster[task_type])} {task_type} task(s); use 0.."
+                         f"{len(cluster[task_type]) - 1}")
+    all_addresses = [a for addresses in cluster.values() for a in addresses]
+    if len(set(all_addresses)) != len(all_addresses):
+        raise UsageError("TF_CONFIG lists the same host:port twice; every task needs its own port")
+    return ClusterConfig({k: list(v) for k, v in cluster.items()}, task_type, task_index)
+
+
+def split_cpu(num_devices: int) -> None:
+    """Splits the CPU into `num_devices` logical devices so MirroredStrategy runs without GPUs.
+
+    Must run before TensorFlow initialises its devices (before the first op or strategy).
+    """
+    if num_devices <= 1:
+        return
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)]
+    try:
+        tf.config.set_logical_device_configuration(cpu, wanted)
+    except RuntimeError:
+        existing = len(tf.config.list_logical_devices("CPU"))
+        if existing != num_devices:
+            raise UsageError(
+                f"cannot split the CPU into {num_devices} devices: TensorFlow already started with "
+                f"{existing}; call split_cpu before any TensorFlow op (each process splits once)"
+            ) from None
+
+
+def _local_devices() -> list[str]:
+    gpus = tf.config.list_logical_devices("GPU")
+    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
+def get_strategy(name: str = "auto", tf_config: str | None = None) -> tf.distribute.Strategy:
+    """Returns the strategy for `name` (see STRATEGIES); never None.
+
+    `tf_config` defaults to the TF_CONFIG environment variable and is validated first.
+    """
+    if name not in STRATEGIES:
+        raise unknown("strategy", name, STRATEGIES)
+    raw = os.environ.get("TF_CONFIG") if tf_config is None else tf_config
+    cluster = parse_tf_config(raw)
+    multi_task = cluster is not None and cluster.num_workers > 1
+    devices = _local_devices()
+    if name == "auto":
+        name = "multi_worker" if multi_task else ("mirrored" if len(devices) > 1 else "default")
+        logging.info("strategy auto -> %s (%d local devices, TF_CONFIG tasks: %s)", name,
+                     len(devices), cluster.num_workers if cluster else 0)
+    if name != "multi_worker" and multi_task:
+        raise UsageError(f"--strategy={name} with a TF_CONFIG of {cluster.num_workers} tasks would "
+                         "train each worker alone; use --strategy=multi_worker (or auto) or unset TF_CONFIG")
+    if name == "default":
+        return tf.distribute.get_strategy()
+    if name == "one_device":
+        return tf.distribute.OneDeviceStrategy(devices[0])
+    if name == "mirrored":
+        return tf.distribute.MirroredStrategy(devices)
+    if cluster is None:
+        raise UsageError("--strategy=multi_worker needs TF_CONFIG naming the cluster and this task; "
+                         "start workers with `python -m tfmp.launch` or set TF_CONFIG")
+    if cluster.task_type in ("ps", "evaluator"):
+        raise UsageError(f"TF_CONFIG task type {cluster.task_type!r} is not a training worker for "
+                         "MultiWorkerMirroredStrategy; use chief/worker")
+    if len(tf.config.list_logical_devices("CPU")) > 1 and not tf.config.list_logical_devices("GPU"):
+        raise UsageError("--cpu_replicas>1 with --strategy=multi_worker is not supported: "
+                         "MultiWorkerMirroredStrategy runs one CPU replica per worker; start more workers")
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """What the run card reports about a strategy."""
+
+    strategy: str
+    replicas: int
+    workers: int
+    is_chief: bool
+    devices: tuple[str, ...]
+
+
+def describe(strategy: tf.distribute.Strategy) -> Topology:
+    resolver = getattr(strategy, "cluster_resolver", None)
+    workers, is_chief = 1, True
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and resolver is not None:
+        cluster = resolver.cluster_spec().as_dict()
+        workers = len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+        task_type, task_id = resolver.task_type, resolver.task_id
+        is_chief = task_type == "chief" or (task_type == "worker" and task_id == 0
+                                            and "chief" not in cluster)
+    try:
+        devices = tuple(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy has no device list: it places ops as TF does
+        devices = tuple(_local_devices()[:1])
+    return Topology(type(strategy).__name__, strategy.num_replicas_in_sync, workers, is_chief, devices)
+
+
+def per_replica_batch(global_batch_size: int, strategy: tf.distribute.Strategy) -> int:
+    """Global batch / replicas, refusing a global batch that does not split evenly."""
+    replicas = strategy.num_replicas_in_sync
+    if global_batch_size <= 0:
+        raise UsageError(f"global batch {global_batch_size} must be positive")
+    if global_batch_size % replicas:
+        lower = global_batch_size // replicas * replicas
+        suggestion = f"{lower} or {lower + replicas}" if lower else f"{replicas}"
+        raise UsageError(f"global batch {global_batch_size} is not divisible by {replicas} "
+                         f"replicas; use a multiple of {replicas}, e.g. {suggestion}")
+    return global_batch_size // replicas
+
+
+def scale_learning_rate(learning_rate: float, global_batch_size: int, reference_batch_size: int,
+                        rule: str) -> float:
+    """Goyal et al.'s linear rule (or the sqrt rule) for a global batch vs a reference batch."""
+    if rule not in LR_SCALING:
+        raise unknown("lr scaling rule", rule, LR_SCALING)
+    if reference_batch_size <= 0:
+        raise UsageError(f"reference batch {reference_batch_size} must be positive")
+    ratio = global_batch_size / reference_batch_size
+    return learning_rate * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
