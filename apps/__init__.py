@@ -1,0 +1,1 @@
+"""Command-line entry points: `python -m apps.classify`, `python -m apps.mnist`."""

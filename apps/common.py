@@ -1,0 +1,107 @@
+"""Flags shared by the training apps, and the error handling every app gets.
+
+Flags live here and in the apps only; `config_from_flags` turns them into a plain
+`tfmp.train.TrainConfig`, and `run(main)` maps user errors to one line on stderr and exit
+status 2 (3 when training diverged), never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+from tfmp import distribute, optim, precision
+from tfmp.errors import TrainingDiverged, UsageError
+from tfmp.train import XLA_CHOICES, TrainConfig
+
+FLAGS = flags.FLAGS
+
+# Strings, not enums: tfmp validates them itself so every mistake gets the same one-line error.
+flags.DEFINE_string("model", "seed_cnn", "Model builder: seed_cnn, lenet, mnist_mlp, resnet20, resnet56, resnet50.")
+flags.DEFINE_string("dataset", "shapes", "shapes | digits | synthetic | tfds:<name> | folder:<path>.")
+flags.DEFINE_integer("image_size", None, "Resize images to this square size (built-in shapes: any size).")
+flags.DEFINE_string("data_dir", None, "Local TFDS data directory (for tfds:<name>).")
+flags.DEFINE_bool("augment", False, "Random flips and crops on training images.")
+flags.DEFINE_bool("cache", False, "Cache decoded examples in memory after the first epoch.")
+flags.DEFINE_integer("epochs", 3, "Training epochs (ignored when --steps > 0).")
+flags.DEFINE_integer("steps", 0, "Total training steps; overrides --epochs when > 0.")
+flags.DEFINE_integer("steps_per_epoch", 0, "Steps per epoch; 0 means train examples // global batch.")
+flags.DEFINE_integer("global_batch_size", 64, "Global batch over all replicas and workers.")
+flags.DEFINE_string("optimizer", "adam", f"One of {', '.join(optim.OPTIMIZERS)}.")
+flags.DEFINE_float("learning_rate", 1e-3, "Base learning rate, for --reference_batch_size.")
+flags.DEFINE_float("weight_decay", 0.0, "Decoupled weight decay of the optimizer.")
+flags.DEFINE_string("lr_scaling", "none", "Scale the learning rate with the global batch: none, linear, sqrt.")
+flags.DEFINE_integer("reference_batch_size", 256, "Batch size the base learning rate was tuned for.")
+flags.DEFINE_integer("warmup_steps", 0, "Linear learning-rate warmup steps.")
+flags.DEFINE_string("lr_decay", "constant", f"After warmup: {', '.join(optim.DECAYS)}.")
+flags.DEFINE_string("precision", "float32", f"Policy: {', '.join(precision.CHOICES)}.")
+flags.DEFINE_bool("mixed", False, "Best mixed policy for this hardware (same as --precision=mixed).")
+flags.DEFINE_string("loss_scale", "auto", "auto (dynamic for mixed_float16), dynamic, none or a fixed number.")
+flags.DEFINE_string("strategy", "auto", f"Distribution: {', '.join(distribute.STRATEGIES)}.")
+flags.DEFINE_integer("cpu_replicas", 0, "Split the CPU into N logical devices (MirroredStrategy without GPUs).")
+flags.DEFINE_string("xla", "auto", f"XLA-compile forward+backward: {', '.join(XLA_CHOICES)}.")
+flags.DEFINE_integer("steps_per_execution", 1, "Training steps per host call.")
+flags.DEFINE_string("model_dir", None, "Checkpoints, logs, run card and model; resumes if it holds a checkpoint.")
+flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept in --model_dir.")
+flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps; 0 saves at every epoch end.")
+flags.DEFINE_integer("log_every", 50, "Steps between metrics.jsonl/TensorBoard records.")
+flags.DEFINE_integer("seed", 0, "Seed for weights, shuffling and augmentation.")
+
+TRAIN_FLAGS = ("model", "dataset", "image_size", "data_dir", "augment", "cache", "epochs", "steps",
+               "steps_per_epoch", "global_batch_size", "optimizer", "learning_rate", "weight_decay",
+               "lr_scaling", "reference_batch_size", "warmup_steps", "lr_decay", "precision",
+               "loss_scale", "strategy", "cpu_replicas", "xla", "steps_per_execution", "model_dir",
+               "keep_checkpoints", "checkpoint_every", "log_every", "seed")
+
+
+def precision_from_flags() -> str:
+    if not FLAGS.mixed:
+        return FLAGS.precision
+    if FLAGS["precision"].present and FLAGS.precision not in ("mixed", "auto"):
+        raise UsageError(f"--mixed conflicts with --precision={FLAGS.precision}; give one of them")
+    return "mixed"
+
+
+def config_from_flags(**overrides) -> TrainConfig:
+    values = {name: FLAGS[name].value for name in TRAIN_FLAGS}
+    values["precision"] = precision_from_flags()
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def resolved_flags(app_name: str, config: TrainConfig) -> str:
+    """The flags as resolved for this run, as a flagfile that reproduces it."""
+    lines = [f"# resolved flags of: python -m apps.{app_name} {' '.join(sys.argv[1:])}"]
+    for name in TRAIN_FLAGS:
+        value = getattr(config, name)
+        if value is not None:
+            lines.append(f"--{name}={value}")
+    return "\n".join(lines) + "\n"
+
+
+def _parse_flags(argv):
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(main) -> None:
+    """absl's app.run, with user errors as one line and exit status 2 (3: diverged)."""
+
+    def guarded(argv):
+        if len(argv) > 1:
+            print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value", file=sys.stderr)
+            sys.exit(2)
+        try:
+            main(argv)
+        except UsageError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+        except TrainingDiverged as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(3)
+
+    app.run(guarded, flags_parser=_parse_flags)
