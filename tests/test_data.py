@@ -1,0 +1,366 @@
+"""Tests for tfmp.data: built-in datasets, TFDS (mocked and a tiny real one), folders, sharding."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from tfmp import data
+from tfmp.errors import UsageError
+
+tfds.disable_progress_bar()
+
+
+def _take(dataset, batches):
+    """The first `batches` batches, concatenated: (images, labels) as numpy."""
+    images, labels = zip(*[(x.numpy(), y.numpy()) for x, y in dataset.take(batches)])
+    return np.concatenate(images), np.concatenate(labels)
+
+
+def _context(pipelines, pipeline_id, replicas):
+    return tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=pipeline_id,
+                                      num_replicas_in_sync=replicas)
+
+
+# ----------------------------------------------------------------------------- built-ins
+@pytest.mark.parametrize("spec, shape", [("shapes", (32, 32, 3)), ("digits", (28, 28, 1)),
+                                         ("synthetic", (32, 32, 3))])
+def test_builtin_batches(spec, shape):
+    info = data.describe(spec)
+    assert info.image_shape == shape and info.num_classes == 10 and info.name == spec
+    dataset, policy = data.load(spec, "train", 16)
+    assert policy == "OFF"
+    images, labels = _take(dataset, 2)
+    assert images.shape == (32, *shape) and images.dtype == np.float32
+    assert labels.dtype == np.int32 and labels.min() >= 0 and labels.max() < 10
+    assert 0.0 <= images.min() and images.max() <= 1.0 and images.std() > 0.05
+    options = dataset.options().experimental_distribute
+    assert options.auto_shard_policy == tf.data.experimental.AutoShardPolicy.OFF
+
+
+def test_builtin_sizes():
+    assert data.describe("shapes").train_examples == data.SHAPES_TRAIN_EXAMPLES == 12_000
+    assert data.describe("shapes").eval_examples == data.SHAPES_EVAL_EXAMPLES == 2_000
+    assert data.describe("digits").train_examples == data.DIGITS_TRAIN_EXAMPLES == 20_000
+    assert data.describe("digits", image_size=32).image_shape == (32, 32, 1)
+    assert data.describe("synthetic", image_size=64).image_shape == (64, 64, 3)
+
+
+@pytest.mark.parametrize("spec", ["shapes", "digits"])
+def test_builtin_deterministic_and_seeded(spec):
+    first = _take(data.load(spec, "train", 8, seed=3, augment=True)[0], 2)
+    again = _take(data.load(spec, "train", 8, seed=3, augment=True)[0], 2)
+    other = _take(data.load(spec, "train", 8, seed=4, augment=True)[0], 2)
+    np.testing.assert_array_equal(first[0], again[0])
+    np.testing.assert_array_equal(first[1], again[1])
+    assert not np.array_equal(first[0], other[0])
+
+
+@pytest.mark.parametrize("spec", ["shapes", "digits"])
+def test_builtin_splits_differ_and_hold_all_classes(spec):
+    train = _take(data.load(spec, "train", 20, training=False)[0], 1)
+    evaluation = _take(data.load(spec, "eval", 20, training=False)[0], 1)
+    assert set(evaluation[1]) == set(range(10)) and set(train[1]) == set(range(10))
+    np.testing.assert_array_equal(train[1], evaluation[1])  # same label order, other pictures
+    assert not np.allclose(train[0], evaluation[0])
+
+
+@pytest.mark.parametrize("size", [64, 224])
+def test_shapes_any_resolution(size):
+    images, _ = _take(data.load("shapes", "train", 4, image_size=size, augment=True)[0], 1)
+    assert images.shape == (4, size, size, 3)
+
+
+def test_eval_is_finite_and_padded_to_full_batches():
+    dataset, _ = data.load("synthetic", "eval", 300, training=False)
+    assert sum(1 for _ in dataset) == 7  # ceil(2000 / 300)
+    dataset, _ = data.load("digits", "eval", 768, training=False)
+    labels = np.concatenate([y.numpy() for _, y in dataset])
+    assert labels.shape == (3 * 768,)  # 2000 examples + 304 padding rows labelled -1
+    assert (labels >= 0).sum() == 2000 and (labels[2000:] == -1).all()
+
+
+@pytest.mark.parametrize("pipelines, replicas", [(1, 2), (2, 2), (2, 4)])
+def test_distributed_eval_gives_every_replica_the_same_full_batches(pipelines, replicas):
+    """Uneven shards must not leave a replica (or a worker) without its last batch."""
+    per_pipeline = []
+    for pipeline_id in range(pipelines):
+        context = tf.distribute.InputContext(pipelines, pipeline_id, replicas)
+        batches = [y.numpy() for _, y in data.load("digits", "eval", 600, input_context=context,
+                                                   training=False)[0]]
+        assert {len(b) for b in batches} == {600 // replicas}
+        assert len(batches) % (replicas // pipelines) == 0  # whole steps for the local replicas
+        per_pipeline.append(batches)
+    assert len({len(batches) for batches in per_pipeline}) == 1
+    valid = np.concatenate([np.concatenate(batches) for batches in per_pipeline])
+    assert (valid >= 0).sum() == 2000
+
+
+def test_digits_learnable_quickly():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(keras.optimizers.Adam(1e-3), loss, metrics=["accuracy"])
+    model.fit(data.load("digits", "train", 64)[0], steps_per_epoch=60, verbose=0)
+    _, accuracy = model.evaluate(data.load("digits", "eval", 256, training=False)[0].take(1),
+                                 verbose=0)
+    assert accuracy > 0.5  # chance is 0.1
+
+
+@pytest.mark.slow
+def test_shapes_learnable():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((32, 32, 3))]
+    for filters in (32, 64, 128):
+        layers += [keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+                   keras.layers.MaxPooling2D()]
+    layers += [keras.layers.Flatten(), keras.layers.Dense(128, activation="relu"),
+               keras.layers.Dense(10)]
+    model = keras.Sequential(layers)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(keras.optimizers.Adam(1e-3), loss, metrics=["accuracy"])
+    model.fit(data.load("shapes", "train", 128)[0], steps_per_epoch=120, verbose=0)
+    _, accuracy = model.evaluate(data.load("shapes", "eval", 500, training=False)[0].take(1),
+                                 verbose=0)
+    assert accuracy > 0.4
+
+
+# ----------------------------------------------------------------------------- pipeline contract
+@pytest.mark.parametrize("augment", [False, True])
+def test_skip_examples_continues_the_same_stream(augment):
+    full = _take(data.load("shapes", "train", 8, image_size=16, augment=augment, seed=5)[0], 4)
+    skipped = _take(data.load("shapes", "train", 8, image_size=16, augment=augment, seed=5,
+                              skip_examples=11)[0], 2)
+    np.testing.assert_array_equal(skipped[0], full[0][11:27])
+    np.testing.assert_array_equal(skipped[1], full[1][11:27])
+
+
+def test_two_replicas_one_pipeline_split_each_global_batch():
+    whole = _take(data.load("digits", "train", 8, seed=2)[0], 2)
+    dataset, policy = data.load("digits", "train", 8, seed=2, input_context=_context(1, 0, 2))
+    halves = _take(dataset, 4)  # replica 0, replica 1, replica 0, replica 1
+    assert policy == "OFF" and next(iter(dataset))[0].shape[0] == 4
+    np.testing.assert_array_equal(halves[0], whole[0])
+    np.testing.assert_array_equal(halves[1], whole[1])
+
+
+def test_two_pipelines_shard_the_data_disjointly():
+    unsharded = _take(data.load("digits", "eval", 1000, training=False)[0], 2)
+    parts = []
+    for pipeline_id in (0, 1):
+        dataset, policy = data.load("digits", "eval", 1000, training=False,
+                                    input_context=_context(2, pipeline_id, 2))
+        assert policy == "DATA"  # generated per index: the index range is sharded
+        parts.append({image.tobytes() for image in _take(dataset, 10)[0]})
+    assert len(parts[0]) == len(parts[1]) == 1000 and not parts[0] & parts[1]
+    assert parts[0] | parts[1] == {image.tobytes() for image in unsharded[0]}
+
+
+def test_batch_not_divisible_by_replicas():
+    with pytest.raises(UsageError, match="divisible"):
+        data.load("shapes", "train", 7, input_context=_context(1, 0, 2))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: data.describe("shapes", image_size=4),
+    lambda: data.describe("shapes", image_size=4096),
+    lambda: data.describe("shapes", image_size="32"),
+    lambda: data.load("shapes", "training", 8),
+    lambda: data.load("shapes", "train", 0),
+    lambda: data.load("shapes", "train", 8, skip_examples=-1),
+])
+def test_bad_arguments(call):
+    with pytest.raises(UsageError):
+        call()
+
+
+@pytest.mark.parametrize("spec", ["mnist", "shape", "tfds:", "folder:", "shapes:64", ""])
+def test_unknown_spec_lists_choices(spec):
+    with pytest.raises(UsageError, match="choose one of: digits, folder:<path>, shapes, synthetic"):
+        data.describe(spec)
+
+
+# ----------------------------------------------------------------------------- TFDS
+@pytest.mark.parametrize("name, shape", [("mnist", (28, 28, 1)), ("cifar10", (32, 32, 3))])
+def test_tfds_mocked(name, shape):
+    with tfds.testing.mock_data(num_examples=10):
+        info = data.describe(f"tfds:{name}")
+        assert info.image_shape == shape and info.num_classes == 10
+        images, labels = _take(data.load(f"tfds:{name}", "train", 4)[0], 3)  # repeats past 10
+        assert images.shape == (12, *shape) and images.dtype == np.float32
+        assert labels.dtype == np.int32 and 0 <= images.min() and images.max() <= 1
+        resized = data.load(f"tfds:{name}", "eval", 4, image_size=16, training=False)[0]
+        assert [x.shape[:3] for x, _ in resized] == [(4, 16, 16)] * 3  # 10 + 2 padding rows
+        assert [int((y >= 0).numpy().sum()) for _, y in resized] == [4, 4, 2]
+        assert next(iter(resized))[0].shape[3] == shape[2]
+        assert data.describe(f"tfds:{name}", image_size=16).image_shape == (16, 16, shape[2])
+        # The mock knows no split files, so two pipelines shard the example stream.
+        assert data.load(f"tfds:{name}", "train", 4, input_context=_context(2, 0, 2))[1] == "DATA"
+
+
+def test_tfds_unknown_name_and_wrong_kind():
+    with pytest.raises(UsageError, match="unknown tfds dataset 'mnistt'.*mnist"):
+        data.describe("tfds:mnistt")
+    with pytest.raises(UsageError, match="not image classification"):
+        data.describe("tfds:glue")
+    with pytest.raises(UsageError, match="varying size; pass image_size"):
+        data.describe("tfds:tf_flowers")
+    with pytest.raises(UsageError, match="bad tfds dataset 'mnist:9.9.9'.*3.0.1"):
+        data.describe("tfds:mnist:9.9.9")
+
+
+def test_tfds_not_prepared_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="not prepared"):
+        data.load("tfds:mnist", "train", 4, data_dir=str(tmp_path))
+
+
+class TfmpTestTinyImages(tfds.core.GeneratorBasedBuilder):
+    """A real (not mocked) TFDS dataset, prepared offline in a temporary data_dir."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    SPLITS = {"train": (0, 24), "test": (100, 6)}
+
+    def _info(self):
+        features = tfds.features.FeaturesDict({"image": tfds.features.Image(shape=(8, 8, 3)),
+                                               "label": tfds.features.ClassLabel(num_classes=3)})
+        return tfds.core.DatasetInfo(builder=self, features=features,
+                                     supervised_keys=("image", "label"))
+
+    def _split_generators(self, dl_manager):
+        return {split: self._generate_examples(*span) for split, span in self.SPLITS.items()}
+
+    def _generate_examples(self, start, count):
+        for index in range(start, start + count):  # pixel value = example id
+            yield index, {"image": np.full((8, 8, 3), index, np.uint8), "label": index % 3}
+
+
+class TfmpTestTinyTrainOnly(TfmpTestTinyImages):
+    SPLITS = {"train": (0, 20)}
+
+
+@pytest.fixture(scope="module")
+def tiny_tfds_dir(tmp_path_factory):
+    data_dir = str(tmp_path_factory.mktemp("tfds"))
+    for builder in (TfmpTestTinyImages, TfmpTestTinyTrainOnly):
+        builder(data_dir=data_dir).download_and_prepare(
+            download_config=tfds.download.DownloadConfig(num_shards=2))
+    return data_dir
+
+
+def _ids(dataset):
+    return sorted(int(round(value * 255)) for value in _take(dataset, 100)[0][:, 0, 0, 0])
+
+
+def test_tfds_prepared_dataset_shards_by_file(tiny_tfds_dir):
+    info = data.describe("tfds:tfmp_test_tiny_images", data_dir=tiny_tfds_dir)
+    assert (info.image_shape, info.num_classes, info.train_examples, info.eval_examples) == (
+        (8, 8, 3), 3, 24, 6)
+    parts = []
+    for pipeline_id in (0, 1):
+        context = _context(2, pipeline_id, 2)
+        dataset, policy = data.load("tfds:tfmp_test_tiny_images", "train", 4,
+                                    data_dir=tiny_tfds_dir, input_context=context)
+        assert policy == "FILE"  # 2 files, 2 pipelines: tfds.ReadConfig(input_context=...)
+        images = _take(dataset, 6)[0]  # the first pass over this pipeline's 12 examples
+        parts.append(sorted(int(round(value * 255)) for value in images[:, 0, 0, 0]))
+    assert not set(parts[0]) & set(parts[1]) and sorted(parts[0] + parts[1]) == list(range(24))
+    evaluation = data.load("tfds:tfmp_test_tiny_images", "eval", 4, training=False,
+                           data_dir=tiny_tfds_dir)[0]
+    images, labels = _take(evaluation, 100)
+    assert sorted(int(round(v * 255)) for v in images[labels >= 0][:, 0, 0, 0]) == list(range(100, 106))
+
+
+def test_tfds_prepared_dataset_training_stream(tiny_tfds_dir):
+    load = lambda **kwargs: data.load("tfds:tfmp_test_tiny_images", "train", 4,
+                                      data_dir=tiny_tfds_dir, seed=7, **kwargs)[0]
+    full, again = _take(load(), 12), _take(load(), 12)
+    np.testing.assert_array_equal(full[0], again[0])
+    ids = [int(round(v * 255)) for v in full[0][:, 0, 0, 0]]
+    assert sorted(ids[:24]) == list(range(24)) and sorted(ids[24:]) == list(range(24))
+    np.testing.assert_array_equal(_take(load(skip_examples=5), 2)[0], full[0][5:13])
+
+
+def test_tfds_train_only_dataset_holds_out_a_slice(tiny_tfds_dir):
+    info = data.describe("tfds:tfmp_test_tiny_train_only", data_dir=tiny_tfds_dir)
+    assert (info.train_examples, info.eval_examples) == (18, 2)
+    load = lambda split: data.load("tfds:tfmp_test_tiny_train_only", split, 2, training=False,
+                                   data_dir=tiny_tfds_dir)[0]
+    held_out, train = _ids(load("eval")), _ids(load("train"))  # "train[90%:]", "train[:90%]"
+    assert len(held_out) == 2 and sorted(held_out + train) == list(range(20))
+
+
+# ----------------------------------------------------------------------------- folders
+COLOURS = {"cat": (255, 0, 0), "dog": (0, 255, 0), "emu": (0, 0, 255)}
+
+
+def _write_images(folder, count, start=0):
+    for name, colour in COLOURS.items():
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for index in range(start, start + count):
+            height, width = (6, 9) if index % 2 else (10, 7)  # sizes differ: resizing is needed
+            pixels = np.zeros((height, width, 3), np.uint8) + np.array(colour, np.uint8)
+            pixels[0, 0] = index  # makes every file distinct
+            (folder / name / f"{index:03d}.png").write_bytes(tf.io.encode_png(pixels).numpy())
+    (folder / "cat" / "notes.txt").write_text("not an image")
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    _write_images(tmp_path / "pics", 20)
+    return tmp_path / "pics"
+
+
+def test_folder_load_and_hold_out(image_folder):
+    spec = f"folder:{image_folder}"
+    info = data.describe(spec, image_size=12)
+    assert (info.image_shape, info.num_classes, info.train_examples, info.eval_examples) == (
+        (12, 12, 3), 3, 54, 6)  # every 10th file per class is held out
+    assert data.describe(spec).image_shape == (64, 64, 3)  # the default size for folders
+    images, labels = _take(data.load(spec, "eval", 4, image_size=12, training=False)[0], 10)
+    images, labels = images[labels >= 0], labels[labels >= 0]  # drop the padding to 2 full batches
+    assert images.shape == (6, 12, 12, 3) and list(labels) == [0, 0, 1, 1, 2, 2]
+    np.testing.assert_array_equal(images[:, 6, 6].argmax(axis=1), labels)  # cat red, dog green...
+    images, labels = _take(data.load(spec, "train", 8, image_size=12, augment=True)[0], 10)
+    assert images.shape == (80, 12, 12, 3)
+    np.testing.assert_array_equal(images[:, 6, 6].argmax(axis=1), labels)
+
+
+def test_folder_sharding_skip_and_cache(image_folder):
+    spec = f"folder:{image_folder}"
+    parts = []
+    for pipeline_id in (0, 1):
+        dataset, policy = data.load(spec, "train", 2, image_size=8, seed=1,
+                                    input_context=_context(2, pipeline_id, 2))
+        assert policy == "FILE"
+        parts.append({image.tobytes() for image in _take(dataset, 27)[0]})  # one epoch: 27 each
+    assert len(parts[0]) == len(parts[1]) == 27 and not parts[0] & parts[1]
+    full = _take(data.load(spec, "train", 6, image_size=8, seed=1)[0], 20)  # > 2 epochs
+    cached = _take(data.load(spec, "train", 6, image_size=8, seed=1, cache=True)[0], 20)
+    skipped = _take(data.load(spec, "train", 6, image_size=8, seed=1, skip_examples=50)[0], 5)
+    np.testing.assert_array_equal(cached[0], full[0])
+    np.testing.assert_array_equal(skipped[0], full[0][50:80])
+    assert len({image.tobytes() for image in full[0][:54]}) == 54  # an epoch is a permutation
+
+
+def test_folder_with_train_and_val_subfolders(tmp_path):
+    _write_images(tmp_path / "set" / "train", 3)
+    _write_images(tmp_path / "set" / "val", 2, start=50)
+    info = data.describe(f"folder:{tmp_path / 'set'}", image_size=8)
+    assert (info.num_classes, info.train_examples, info.eval_examples) == (3, 9, 6)
+
+
+def test_folder_errors(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        data.describe(f"folder:{tmp_path / 'missing'}")
+    (tmp_path / "empty" / "cat").mkdir(parents=True)
+    with pytest.raises(UsageError, match=f"{tmp_path / 'empty'}.*no images"):
+        data.describe(f"folder:{tmp_path / 'empty'}")
+    _write_images(tmp_path / "few", 3)  # fewer than 10 per class: nothing held out
+    assert data.describe(f"folder:{tmp_path / 'few'}").eval_examples == 0
+    with pytest.raises(UsageError, match="no eval images"):
+        data.load(f"folder:{tmp_path / 'few'}", "eval", 2, training=False)

@@ -1,0 +1,492 @@
+"""Every input pipeline of tfmp: built-in offline datasets, TFDS and image folders.
+
+A dataset is named by a spec string:
+
+* ``shapes``     10 classes of procedurally drawn coloured shapes, any ``image_size`` (default 32).
+* ``digits``     MNIST-shaped (28x28x1) jittered stroke digits, 10 classes.
+* ``synthetic``  one fixed random batch repeated: pure input-free throughput.
+* ``tfds:NAME``  a prepared TFDS image classification dataset (``data_dir``; never downloads);
+  eval is its ``test`` split, else ``validation``, else the last 10% of ``train``. NAME may
+  carry a config and version (``tfds:mnist:3.*.*``). Split sizes are 0 when TFDS doesn't know
+  them (not prepared, or under ``tfds.testing.mock_data``).
+* ``folder:PATH`` one sub-folder per class of jpg/png/bmp/gif files (``image_size`` default 64).
+  ``PATH/train`` + ``PATH/val`` (or ``validation``/``test``) are used as splits when present,
+  otherwise every 10th file of each class (sorted order) is held out for eval.
+
+Usage::
+
+    info = data.describe("shapes", image_size=64)           # cheap: validates, no loading
+    ds, policy = data.load("shapes", "train", 256, input_context=ctx, seed=1)
+
+Images are float32 in [0, 1] (HxWxC), labels int32. ``shapes`` and ``digits`` are generated
+per example index from stateless random numbers keyed by (fixed content seed, split, index), so
+they cost no memory at any resolution, are identical everywhere and parallelise freely.
+
+Pipeline order: cheap example stream (indices, file paths or still-encoded TFDS records) ->
+shard -> [decode + cache, if cache=True] -> shuffle (training) -> repeat (training only) ->
+skip(skip_examples) -> decode -> augment -> batch -> prefetch. Shuffling and skipping the
+cheap stream means resuming after N examples decodes none of them. ``cache=True`` decodes
+in source order and caches *before* the shuffle; the shuffle buffer is the same, so the
+example order is the same as without cache (skipped examples are then decoded, as they fill
+the cache anyway). The order depends only on ``seed`` (and TensorFlow's global seed, which
+tf.data folds into every op seed), never on the number of replicas sharing one pipeline.
+"""
+
+import dataclasses
+import difflib
+import math
+import os
+
+import tensorflow as tf
+from absl import logging
+
+from tfmp.errors import UsageError, unknown
+
+SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES = 12_000, 2_000
+DIGITS_TRAIN_EXAMPLES, DIGITS_EVAL_EXAMPLES = 20_000, 2_000
+SYNTHETIC_TRAIN_EXAMPLES, SYNTHETIC_EVAL_EXAMPLES = 12_000, 2_000
+SPLITS = ("train", "eval")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
+DEFAULT_IMAGE_SIZE = {"shapes": 32, "synthetic": 32, "folder": 64}
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 1024
+TFDS_SHUFFLE_BUFFER = 10_000  # encoded records: bounded; index/path streams shuffle fully
+_CONTENT_SEED = 1_234_567  # fixes the built-in datasets' content; `seed` only orders it
+_CHOICES = ["shapes", "digits", "synthetic", "tfds:<name>", "folder:<path>"]
+_AUTOTUNE = tf.data.AUTOTUNE
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+    name: str  # the spec as given
+    image_shape: tuple[int, int, int]
+    num_classes: int
+    train_examples: int  # 0 when unknown (a TFDS dataset whose split sizes TFDS doesn't know)
+    eval_examples: int
+
+
+@dataclasses.dataclass
+class _Source:
+    """How to read one split: a cheap per-example stream plus the function that decodes it."""
+
+    info: DatasetInfo
+    num_examples: int  # in this split (0 = unknown)
+    num_files: int  # files behind the split; FILE sharding needs at least one per pipeline
+    examples: object  # (file_shard_context | None, shuffle_seed | None) -> cheap-item Dataset
+    decode: object  # (*item) -> (float32 image, int32 label)
+    shuffle_buffer: int
+    flip_ok: bool = True  # mirrored digits are different (or no) digits
+
+
+# ----------------------------------------------------------------------------- spec handling
+def _parse(spec):
+    kind, _, arg = spec.partition(":") if isinstance(spec, str) else (repr(spec), "", "")
+    builtin = kind in ("shapes", "digits", "synthetic") and not arg
+    if builtin or (kind in ("tfds", "folder") and arg):
+        return kind, arg
+    raise unknown("dataset", spec, _CHOICES)
+
+
+def _image_size(kind, image_size):
+    if image_size is None:
+        return DEFAULT_IMAGE_SIZE.get(kind)
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or not (
+        MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE
+    ):
+        raise UsageError(f"bad image_size {image_size!r}; "
+                         f"use an integer from {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}")
+    return image_size
+
+
+def describe(spec: str, image_size: int | None = None, data_dir: str | None = None) -> DatasetInfo:
+    """Validates `spec` and returns its shape, classes and split sizes without loading data."""
+    return _source(spec, "train", image_size, data_dir).info
+
+
+def _source(spec, split, image_size, data_dir):
+    kind, arg = _parse(spec)
+    if split not in SPLITS:
+        raise unknown("split", split, SPLITS)
+    size = _image_size(kind, image_size)
+    if kind == "tfds":
+        return _tfds_source(spec, arg, split, size, data_dir)
+    if kind == "folder":
+        return _folder_source(spec, arg, split, size)
+    return _builtin_source(spec, kind, split, size)
+
+
+# ----------------------------------------------------------------------------- built-ins
+def _builtin_source(spec, kind, split, size):
+    counts = {
+        "shapes": (SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES),
+        "digits": (DIGITS_TRAIN_EXAMPLES, DIGITS_EVAL_EXAMPLES),
+        "synthetic": (SYNTHETIC_TRAIN_EXAMPLES, SYNTHETIC_EVAL_EXAMPLES),
+    }[kind]
+    if kind == "digits":
+        shape, draw = (size or 28, size or 28, 1), _draw_digit
+    else:
+        shape, draw = (size, size, 3), _draw_shape
+    info = DatasetInfo(spec, shape, 10, *counts)
+    split_id = SPLITS.index(split)
+    num_examples = counts[split_id]
+
+    def decode(index):
+        key = tf.stack([tf.constant(_CONTENT_SEED + split_id, tf.int64), index])
+        image = draw(key, tf.cast(index % 10, tf.int32), shape[0])
+        if image.shape[:2] != shape[:2]:  # digits are drawn at 28x28
+            image = tf.clip_by_value(tf.image.resize(image, shape[:2], antialias=True), 0.0, 1.0)
+        return image, tf.cast(index % 10, tf.int32)  # index % 10: exactly balanced classes
+
+    return _Source(info, num_examples, 0, lambda *_: tf.data.Dataset.range(num_examples), decode,
+                   num_examples, flip_ok=kind != "digits")
+
+
+def _grid(size):
+    """Pixel-centre coordinates in [0, 1]: y as a column, x as a row (broadcast to size x size)."""
+    centres = (tf.range(size, dtype=tf.float32) + 0.5) / size
+    return centres[:, None], centres[None, :]
+
+
+def _draw_shape(key, label, size):
+    """One `shapes` image: a signed distance field per class, anti-aliased over one pixel."""
+    params_key, noise_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
+    p = tf.random.stateless_uniform([11], params_key)
+    radius = 0.22 + 0.18 * p[0]  # fraction of the image; the shape spans ~2 * radius
+    centre_y, centre_x = radius + (1 - 2 * radius) * p[1], radius + (1 - 2 * radius) * p[2]
+    angle = (p[3] - 0.5) * 0.35  # +-10 degrees: keeps squares apart from diamonds
+    y, x = _grid(size)
+    dy, dx = y - centre_y, x - centre_x
+    u = (tf.cos(angle) * dx + tf.sin(angle) * dy) / radius  # shape coordinates, ~[-1, 1]
+    v = (tf.cos(angle) * dy - tf.sin(angle) * dx) / radius
+    au, av, r = tf.abs(u), tf.abs(v), tf.sqrt(u * u + v * v)
+    box = lambda half_u, half_v: tf.maximum(au - half_u, av - half_v)
+    distances = [
+        r - 1.0,  # 0 filled circle
+        box(0.8, 0.8),  # 1 square
+        tf.maximum(v - 0.7, (1.65 * au - 0.95 * (v + 0.95)) / 1.904),  # 2 triangle
+        (au + av - 1.0) / 1.414,  # 3 diamond
+        tf.minimum(box(0.28, 1.0), box(1.0, 0.28)),  # 4 plus
+        tf.abs(r - 0.72) - 0.24,  # 5 ring
+        box(1.0, 0.26),  # 6 horizontal bar
+        box(0.26, 1.0),  # 7 vertical bar
+        (tf.sqrt(u * u + (v / 0.55) ** 2) - 1.0) * 0.55,  # 8 ellipse
+        tf.maximum(tf.minimum(tf.abs(u - v), tf.abs(u + v)) / 1.414 - 0.2, box(0.85, 0.85)),  # 9 X
+    ]
+    distance = tf.gather(tf.stack(distances), label)
+    alpha = tf.clip_by_value(0.5 - distance * radius * size, 0.0, 1.0)[:, :, None]
+    # Random colours, but each channel of the shape is 0.35-0.55 brighter than the background
+    # (or darker: a coin flip), so the outline is always visible.
+    dark = 0.45 * p[4:7]
+    light = dark + 0.35 + 0.2 * p[7:10]
+    light_shape = p[10] < 0.5
+    background, foreground = tf.where(light_shape, dark, light), tf.where(light_shape, light, dark)
+    image = background + alpha * (foreground - background)
+    image += 0.03 * tf.random.stateless_normal([size, size, 3], noise_key)
+    return tf.clip_by_value(image, 0.0, 1.0)
+
+
+# Digit glyphs as polylines in a box x in [-0.5, 0.5], y in [-0.8, 0.8] (y points down).
+_GLYPHS = [
+    [(-0.25, -0.8), (0.25, -0.8), (0.5, -0.5), (0.5, 0.5), (0.25, 0.8), (-0.25, 0.8), (-0.5, 0.5),
+     (-0.5, -0.5), (-0.25, -0.8)],
+    [(-0.25, -0.5), (0.1, -0.8), (0.1, 0.8)],
+    [(-0.5, -0.5), (-0.2, -0.8), (0.3, -0.8), (0.5, -0.5), (0.5, -0.2), (-0.5, 0.8), (0.5, 0.8)],
+    [(-0.5, -0.8), (0.5, -0.8), (0.0, -0.1), (0.5, 0.2), (0.5, 0.6), (0.3, 0.8), (-0.5, 0.8)],
+    [(0.2, 0.8), (0.2, -0.8), (-0.5, 0.3), (0.5, 0.3)],
+    [(0.5, -0.8), (-0.5, -0.8), (-0.5, -0.1), (0.3, -0.1), (0.5, 0.2), (0.5, 0.6), (0.3, 0.8),
+     (-0.5, 0.8)],
+    [(0.4, -0.8), (-0.5, 0.0), (-0.5, 0.8), (0.5, 0.8), (0.5, 0.0), (-0.5, 0.0)],
+    [(-0.5, -0.8), (0.5, -0.8), (-0.1, 0.8)],
+    [(-0.4, -0.8), (0.4, -0.8), (0.4, 0.0), (-0.4, 0.0), (-0.4, -0.8), (-0.5, 0.0), (-0.5, 0.8),
+     (0.5, 0.8), (0.5, 0.0), (0.4, 0.0)],
+    [(0.5, 0.0), (-0.5, 0.0), (-0.5, -0.8), (0.5, -0.8), (0.5, 0.0), (-0.4, 0.8)],
+]
+
+
+def _glyph_vertices():
+    """[10, max vertices, 2]; short polylines repeat their last vertex (zero-length segments)."""
+    longest = max(map(len, _GLYPHS))
+    return tf.constant([g + [g[-1]] * (longest - len(g)) for g in _GLYPHS], tf.float32)
+
+
+def _draw_digit(key, label, _):
+    """One 28x28x1 `digits` image: a wobbly stroke glyph under a random affine map, plus noise."""
+    params_key, wobble_key, noise_key = tf.unstack(tf.random.experimental.stateless_split(key, 3))
+    p = tf.random.stateless_uniform([9], params_key)
+    scale = 10.5 + 3.5 * p[0]  # pixels per glyph unit: the digit is 17-22 px tall
+    aspect = 0.8 + 0.4 * p[1]
+    angle, shear = (p[2] - 0.5) * 0.6, (p[3] - 0.5) * 0.6
+    shift_y, shift_x = (p[4] - 0.5) * 6.0, (p[5] - 0.5) * 6.0
+    half_width = 0.06 + 0.08 * p[6]  # stroke thickness in glyph units
+    vertices = tf.gather(_glyph_vertices(), label)
+    vertices += 0.24 * (tf.random.stateless_uniform(tf.shape(vertices), wobble_key) - 0.5)
+    y, x = _grid(28)
+    y, x = (y * 28 - 14 - shift_y) / scale, (x * 28 - 14 - shift_x) / (scale * aspect)
+    # Inverse of rotation(angle) @ shear(x += shear * y) maps pixels back into glyph space.
+    cos, sin = tf.cos(angle), tf.sin(angle)
+    rx, ry = cos * x + sin * y, cos * y - sin * x
+    gx, gy = (rx - shear * ry)[None], ry[None]  # [1, 28, 28] against [segments, 1, 1]
+    a, b = vertices[:-1, :, None, None], vertices[1:, :, None, None]
+    ax, ay, ex, ey = a[:, 0], a[:, 1], b[:, 0] - a[:, 0], b[:, 1] - a[:, 1]
+    t = tf.clip_by_value(((gx - ax) * ex + (gy - ay) * ey) / (ex * ex + ey * ey + 1e-6), 0.0, 1.0)
+    distance = tf.reduce_min(tf.sqrt((gx - ax - t * ex) ** 2 + (gy - ay - t * ey) ** 2), axis=0)
+    ink = tf.clip_by_value((half_width - distance) * scale + 0.5, 0.0, 1.0) * (0.7 + 0.3 * p[7])
+    image = ink + 0.1 * tf.random.stateless_normal([28, 28], noise_key)
+    return tf.clip_by_value(image, 0.0, 1.0)[:, :, None]
+
+
+# ----------------------------------------------------------------------------- TFDS
+def _tfds_source(spec, name, split, size, data_dir):
+    import tensorflow_datasets as tfds  # slow import: only for tfds specs
+
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+        close = difflib.get_close_matches(name, tfds.list_builders(), n=5)
+        hint = f"did you mean: {', '.join(close)}? " if close else ""
+        raise UsageError(f"unknown tfds dataset {name!r}; {hint}see tfds.list_builders()") from None
+    except (AssertionError, ValueError) as error:  # bad config or version: TFDS says which exist
+        raise UsageError(f"bad tfds dataset {name!r}: {str(error).splitlines()[0]}") from None
+    info = builder.info
+    image_key, label_key = info.supervised_keys if info.supervised_keys else ("image", "label")
+    features = info.features
+    if not (image_key in features.keys() and isinstance(features[image_key], tfds.features.Image)
+            and label_key in features.keys()
+            and isinstance(features[label_key], tfds.features.ClassLabel)):
+        raise UsageError(f"tfds dataset {name!r} is not image classification (no image/label)")
+    native_shape = features[image_key].shape
+    if size is None and None in native_shape[:2]:
+        raise UsageError(f"tfds dataset {name!r} has images of varying size; pass image_size")
+    height, width = (size, size) if size else native_shape[:2]
+    splits = info.splits  # empty when the dataset isn't prepared in data_dir (or TFDS is mocked)
+    names = ("train", next((s for s in ("test", "validation") if s in splits), "test"))
+    if splits and names[1] not in splits:  # train only (e.g. tf_flowers): hold out its last 10%
+        names = ("train[:90%]", "train[90%:]")
+    if splits and "train" not in splits:
+        raise UsageError(f"tfds dataset {name!r} has no train split (it has {', '.join(splits)})")
+    split_infos = [splits[s] if splits else None for s in names]
+    counts = [s.num_examples if s else 0 for s in split_infos]
+    tfds_split = names[SPLITS.index(split)]
+    image_feature = features[image_key]
+
+    def examples(file_shard_context, shuffle_seed):
+        # Images stay encoded (SkipDecoding) until after shuffle/skip; see module docstring.
+        read_config = tfds.ReadConfig(input_context=file_shard_context, shuffle_seed=shuffle_seed)
+        try:
+            return tfds.load(name, split=tfds_split, data_dir=data_dir, as_supervised=True,
+                             download=False, read_config=read_config,
+                             shuffle_files=shuffle_seed is not None,
+                             decoders={image_key: tfds.decode.SkipDecoding()})
+        except AssertionError as error:  # TFDS's "could not find data in ..."
+            raise UsageError(f"tfds dataset {name!r} is not prepared in data_dir {data_dir!r}; "
+                             f"run `tfds build {name} --data_dir DIR` where there is internet "
+                             "and pass that DIR") from error
+
+    def decode(encoded, label):
+        image = tf.image.convert_image_dtype(image_feature.decode_example(encoded), tf.float32)
+        if size:
+            image = tf.clip_by_value(tf.image.resize(image, (size, size), antialias=True), 0, 1)
+        return image, tf.cast(label, tf.int32)
+
+    channels = native_shape[2] or 3
+    info = DatasetInfo(spec, (height, width, channels), features[label_key].num_classes, *counts)
+    num_examples = counts[SPLITS.index(split)]
+    num_files = split_infos[SPLITS.index(split)].num_shards if splits else 0
+    buffer = min(num_examples or TFDS_SHUFFLE_BUFFER, TFDS_SHUFFLE_BUFFER)
+    return _Source(info, num_examples, num_files, examples, decode, buffer)
+
+
+# ----------------------------------------------------------------------------- folders
+def _folder_source(spec, path, split, size):
+    root = os.path.expanduser(path)
+    if not tf.io.gfile.isdir(root):
+        raise UsageError(f"dataset folder {path!r} does not exist (or is not a folder)")
+    eval_dir = next((d for d in ("val", "validation", "test")
+                     if tf.io.gfile.isdir(os.path.join(root, d))), None)
+    split_dirs = tf.io.gfile.isdir(os.path.join(root, "train")) and eval_dir
+    class_root = os.path.join(root, "train") if split_dirs else root
+    classes = sorted(d.rstrip("/") for d in tf.io.gfile.listdir(class_root)
+                     if tf.io.gfile.isdir(os.path.join(class_root, d)))
+
+    def files(directory, holdout):  # holdout: None = all files, True/False = eval/train part
+        found = []
+        for label, name in enumerate(classes):
+            folder = os.path.join(directory, name)
+            names = sorted(tf.io.gfile.listdir(folder)) if tf.io.gfile.isdir(folder) else []
+            names = [n for n in names if n.lower().endswith(IMAGE_EXTENSIONS)]
+            found += [(os.path.join(folder, n), label) for i, n in enumerate(names)
+                      if holdout is None or (i % 10 == 9) == holdout]
+        return found
+
+    if split_dirs:
+        train, evaluation = files(class_root, None), files(os.path.join(root, eval_dir), None)
+    else:
+        train, evaluation = files(root, False), files(root, True)
+    if not train:
+        raise UsageError(f"dataset folder {path!r} has no images in class sub-folders "
+                         f"(expected {path}/<class>/*.png|jpg|bmp|gif)")
+    info = DatasetInfo(spec, (size, size, 3), len(classes), len(train), len(evaluation))
+    chosen = train if split == "train" else evaluation
+    if not chosen:
+        raise UsageError(f"dataset folder {path!r} has no {split} images (the hold-out takes "
+                         "every 10th file of a class; or add train/ and val/ sub-folders)")
+    paths, labels = [p for p, _ in chosen], [label for _, label in chosen]
+
+    def decode(file_path, label):
+        raw = tf.io.decode_image(tf.io.read_file(file_path), channels=3, expand_animations=False)
+        image = tf.image.resize(tf.image.convert_image_dtype(raw, tf.float32), (size, size),
+                                antialias=True)
+        return tf.clip_by_value(image, 0.0, 1.0), tf.cast(label, tf.int32)
+
+    def examples(file_shard_context, _):  # one file per example: sharding files = sharding data
+        dataset = tf.data.Dataset.from_tensor_slices((paths, labels))
+        if file_shard_context is None:
+            return dataset
+        return dataset.shard(file_shard_context.num_input_pipelines,
+                             file_shard_context.input_pipeline_id)
+
+    return _Source(info, len(chosen), len(chosen), examples, decode, max(len(chosen), 1))
+
+
+# ----------------------------------------------------------------------------- the pipeline
+def load(spec: str, split: str, global_batch_size: int, *, image_size: int | None = None,
+         data_dir: str | None = None, input_context: tf.distribute.InputContext | None = None,
+         training: bool = True, augment: bool = False, cache: bool = False, seed: int = 0,
+         skip_examples: int = 0) -> tuple[tf.data.Dataset, str]:
+    """Returns (batched dataset of (image, label), shard policy "OFF" | "FILE" | "DATA").
+
+    With `input_context` (from `strategy.distribute_datasets_from_function`) batches are
+    per-replica and each input pipeline reads its own shard. Training streams repeat forever
+    and start after `skip_examples` examples (of this pipeline's stream); eval streams ignore
+    it, are finite and padded with label -1 rows to the same number of full batches for every
+    replica, so no replica or worker runs short (`Engine.evaluate` ignores the padding).
+    """
+    source = _source(spec, split, image_size, data_dir)
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or (
+            global_batch_size < 1):
+        raise UsageError(f"bad global_batch_size {global_batch_size!r}; use a positive integer")
+    if not isinstance(skip_examples, int) or skip_examples < 0:
+        raise UsageError(f"bad skip_examples {skip_examples!r}; use an integer >= 0")
+    batch_size, pipelines, pipeline_id = global_batch_size, 1, 0
+    if input_context is not None:
+        try:
+            batch_size = input_context.get_per_replica_batch_size(global_batch_size)
+        except ValueError as error:
+            message = str(error).strip()
+            raise UsageError(f"{message}; pick a multiple of the replica count") from None
+        pipelines, pipeline_id = input_context.num_input_pipelines, input_context.input_pipeline_id
+
+    if pipelines == 1:
+        policy, why = "OFF", "one input pipeline reads everything"
+    elif not training:
+        policy, why = "DATA", "eval: every pipeline must run the same number of batches"
+    elif spec == "synthetic":
+        policy, why = "DATA", "each pipeline generates its own random batch"
+    elif source.num_files >= pipelines:
+        policy, why = "FILE", f"{source.num_files} files are split between pipelines"
+    else:
+        files = f"only {source.num_files} files" if source.num_files else "no files (generated)"
+        policy, why = "DATA", f"{files} for {pipelines} pipelines: each takes every n-th example"
+    logging.info("tfmp.data: %s %s split: shard policy %s for %d input pipeline(s) (%s)",
+                 spec, split, policy, pipelines, why)
+
+    if spec == "synthetic":
+        dataset = _synthetic(source, batch_size, training, seed + 7919 * pipeline_id, input_context)
+    else:
+        dataset = _pipeline(source, policy, input_context, batch_size, training=training,
+                            augment=augment, cache=cache, seed=seed, skip_examples=skip_examples)
+    options = tf.data.Options()
+    options.deterministic = True  # parallel maps keep order: runs are reproducible
+    # tfmp shards itself (above); tf.distribute must not shard a second time.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return dataset.with_options(options), policy
+
+
+def _pipeline(source, policy, input_context, batch_size, *, training, augment, cache, seed,
+              skip_examples):
+    # Shuffled files would shard differently on each worker unless all orders agree: only
+    # shuffle files when each pipeline reads its own files.
+    shuffle_files = training and policy != "DATA"
+    dataset = source.examples(input_context if policy == "FILE" else None,
+                              seed if shuffle_files else None)
+    if policy == "DATA":
+        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+    decode = source.decode
+    if cache:  # decode in source order, then shuffle the cache with the very same buffer
+        dataset, decode = dataset.map(decode, num_parallel_calls=_AUTOTUNE).cache(), None
+    if training:
+        dataset = dataset.shuffle(source.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+        dataset = dataset.repeat()
+    # The stream position keys the augmentation, so a resumed run augments identically.
+    dataset = dataset.enumerate()
+    if training:
+        dataset = dataset.skip(skip_examples)
+    seed_tensor = tf.constant(seed, tf.int64)
+
+    def prepare(position, item):
+        if decode:
+            item = decode(*item) if isinstance(item, tuple) else decode(item)
+        image, label = item
+        if training and augment:
+            image = _augment(image, tf.stack([seed_tensor, position]), source.flip_ok)
+        return image, label
+
+    dataset = dataset.map(prepare, num_parallel_calls=_AUTOTUNE)
+    if not training:
+        dataset = _pad_to_full_batches(dataset, source, input_context, batch_size)
+    dataset = dataset.batch(batch_size, drop_remainder=True)
+    return dataset.prefetch(_AUTOTUNE)
+
+
+def _pad_to_full_batches(dataset, source, input_context, batch_size):
+    """Pads an eval shard with (zeros, -1) rows to ceil(total / pipelines) examples rounded up
+    to whole steps, so every replica of every pipeline gets the same number of full batches."""
+    pipelines, replicas_per_pipeline = _pipelines_and_replicas(input_context)
+    total = source.num_examples
+    if not total:  # size unknown to TFDS (e.g. mocked): count the cheap encoded stream once
+        total = int(source.examples(None, None).reduce(tf.constant(0, tf.int64), lambda n, *_: n + 1))
+    examples_per_step = batch_size * replicas_per_pipeline
+    steps = math.ceil(math.ceil(total / pipelines) / examples_per_step)
+    image_shape = source.info.image_shape
+    padding = tf.data.Dataset.from_tensors(
+        (tf.zeros(image_shape, tf.float32), tf.constant(-1, tf.int32))).repeat()
+    dataset = dataset.map(lambda image, label: (tf.ensure_shape(image, image_shape), label))
+    return dataset.concatenate(padding).take(steps * examples_per_step)
+
+
+def _augment(image, key, flip_ok):
+    """Random horizontal flip and a random crop of the image padded by 1/8 of its size."""
+    flip_key, crop_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
+    if flip_ok:
+        image = tf.image.stateless_random_flip_left_right(image, flip_key)
+    height, width, channels = image.shape
+    pad = max(1, height // 8)
+    padded = tf.pad(image, [[pad, pad], [pad, pad], [0, 0]], mode="REFLECT")
+    return tf.image.stateless_random_crop(padded, [height, width, channels], crop_key)
+
+
+def _synthetic(source, batch_size, training, seed, input_context):
+    """One random batch, generated lazily once and cached: no per-step cost, no big constant."""
+    height, width, channels = source.info.image_shape
+
+    def make_batch(_):
+        key = tf.constant([seed, _CONTENT_SEED], tf.int64)
+        images = tf.random.stateless_uniform([batch_size, height, width, channels], key)
+        labels = tf.random.stateless_uniform([batch_size], key + 1, maxval=10, dtype=tf.int32)
+        return images, labels
+
+    dataset = tf.data.Dataset.range(1).map(make_batch).cache()
+    if training:
+        return dataset.repeat().prefetch(_AUTOTUNE)
+    # About one eval split, in whole steps of this pipeline's replicas (no padding needed).
+    pipelines, replicas_per_pipeline = _pipelines_and_replicas(input_context)
+    examples_per_step = batch_size * replicas_per_pipeline
+    steps = math.ceil(math.ceil(source.num_examples / pipelines) / examples_per_step)
+    return dataset.repeat(steps * replicas_per_pipeline).prefetch(_AUTOTUNE)
+
+
+def _pipelines_and_replicas(input_context):
+    """(input pipelines, replicas each pipeline feeds) of a distributed input function."""
+    if input_context is None:
+        return 1, 1
+    pipelines = input_context.num_input_pipelines
+    return pipelines, max(input_context.num_replicas_in_sync // pipelines, 1)
