@@ -75,12 +75,19 @@ class Engine:
                            synchronization=tf.VariableSynchronization.ON_READ,
                            aggregation=tf.VariableAggregation.SUM)
 
-    def _batch_statistics(self, labels, probabilities):
-        per_example_loss = self.loss_fn(labels, probabilities)
-        loss_sum = tf.reduce_sum(per_example_loss)
+    def _batch_statistics(self, labels, probabilities, padded=False):
+        """Loss sum, correct count and example count of a batch.
+
+        Eval batches are padded to full size (label -1) so every replica and worker runs the
+        same number of full batches; padded rows count nowhere.
+        """
+        valid = labels >= 0 if padded else tf.ones_like(labels, tf.bool)
+        labels = tf.maximum(labels, 0)
+        weights = tf.cast(valid, tf.float32)
+        loss_sum = tf.reduce_sum(self.loss_fn(labels, probabilities) * weights)
         predictions = tf.argmax(probabilities, axis=-1, output_type=labels.dtype)
-        correct = tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.float32))
-        return loss_sum, correct, tf.cast(tf.size(labels), tf.float32)
+        correct = tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.float32) * weights)
+        return loss_sum, correct, tf.reduce_sum(weights)
 
     def _gradients_fn(self, images, labels):
         with tf.GradientTape() as tape:
@@ -92,16 +99,19 @@ class Engine:
                 loss += tf.add_n(self.model.losses) / self.strategy.num_replicas_in_sync
             scaled_loss = self.optimizer.scale_loss(loss)
         gradients = tape.gradient(scaled_loss, self.model.trainable_variables)
-        return gradients, loss_sum, correct, examples
+        # The loss alone can look finite when the gradients are not (cross-entropy clips NaN
+        # probabilities), so the stop/skip statistics check the gradients themselves.
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None])
+        return gradients, loss_sum, correct, examples, tf.logical_and(finite, tf.math.is_finite(loss_sum))
 
     def _train_replica_step(self, images, labels):
-        gradients, loss_sum, correct, examples = self._gradients(images, labels)
+        gradients, loss_sum, correct, examples, finite = self._gradients(images, labels)
         self.optimizer.apply(gradients, self.model.trainable_variables)
-        self._accumulate(self._train_totals, loss_sum, correct, examples)
+        self._accumulate(self._train_totals, loss_sum, correct, examples, finite)
 
     @staticmethod
-    def _accumulate(totals, loss_sum, correct, examples):
-        finite = tf.math.is_finite(loss_sum)
+    def _accumulate(totals, loss_sum, correct, examples, finite=None):
+        finite = tf.math.is_finite(loss_sum) if finite is None else finite
         totals.assign_add(tf.stack([
             tf.where(finite, loss_sum, 0.0), tf.where(finite, examples, 0.0), correct, examples,
             tf.where(finite, 0.0, 1.0)]))
@@ -113,7 +123,7 @@ class Engine:
 
     def _eval_replica_step(self, images, labels):
         probabilities = self.model(images, training=False)
-        self._accumulate(self._eval_totals, *self._batch_statistics(labels, probabilities))
+        self._accumulate(self._eval_totals, *self._batch_statistics(labels, probabilities, padded=True))
 
     def _eval_loop(self, distributed_dataset):
         for images, labels in distributed_dataset:
@@ -131,6 +141,6 @@ class Engine:
         return self._read_and_reset(self._train_totals)
 
     def evaluate(self, distributed_dataset) -> Totals:
-        """One pass over a finite distributed dataset."""
+        """One pass over a finite distributed dataset whose batches are full (pad with label -1)."""
         self._eval_fn(distributed_dataset)
         return self._read_and_reset(self._eval_totals)

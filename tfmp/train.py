@@ -111,6 +111,12 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
     topology = distribute.describe(strategy)
     per_replica_batch = distribute.per_replica_batch(config.global_batch_size, strategy)
     steps_per_epoch = config.steps_per_epoch or info.train_examples // config.global_batch_size
+    if not info.train_examples and not config.steps_per_epoch:
+        # TFDS does not know the size of an unprepared or mocked dataset: one epoch = --steps.
+        steps_per_epoch = config.steps
+        if not steps_per_epoch:
+            raise UsageError(f"dataset {config.dataset} does not report its size; pass "
+                             "--steps_per_epoch (and --epochs) or --steps")
     if steps_per_epoch < 1:
         raise UsageError(f"global batch {config.global_batch_size} is larger than the "
                          f"{info.train_examples} training examples of {config.dataset}")

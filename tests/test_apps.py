@@ -1,0 +1,122 @@
+"""The apps as a user runs them: real processes, real flags, exit codes, files on disk."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_python
+
+pytestmark = pytest.mark.slow  # each test starts TensorFlow in a new process
+
+MOCK_TFDS = """
+import sys, tensorflow_datasets as tfds
+from apps import common, {app}
+with tfds.testing.mock_data(num_examples=64):
+    common.run({app}.main)
+"""
+
+
+def _summary(output):
+    lines = [line for line in output.splitlines() if line.startswith("tfmp summary:")]
+    assert lines, output[-3000:]
+    return lines[-1]
+
+
+def test_classify_builtin_default_with_mixed(tmp_path):
+    result = run_python(["-m", "apps.classify", "--mixed", "--steps=30", f"--model_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = _summary(result.stdout)
+    assert "precision mixed_" in summary and "30 steps" in summary
+    assert (tmp_path / "model.keras").exists() and (tmp_path / "flags.txt").exists()
+    assert "--precision=mixed" in (tmp_path / "flags.txt").read_text()
+
+
+def test_mnist_builtin_default_is_mirrored_over_all_cores(tmp_path):
+    result = run_python(["-m", "apps.mnist", "--steps=20", "--steps_per_epoch=10", f"--model_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = json.load(open(tmp_path / "run_card.json"))
+    assert card["strategy"].startswith("MirroredStrategy")
+    assert card["replicas"].startswith(f"{os.cpu_count()} ")
+    evals = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"eval"' in line]
+    assert [r["step"] for r in evals] == [10, 20]  # validation after every epoch
+
+
+@pytest.mark.parametrize("app, dataset, extra", [
+    ("classify", "tfds:cifar10", ["--model=resnet20", "--strategy=mirrored", "--cpu_replicas=2"]),
+    ("mnist", "tfds:mnist", []),
+])
+def test_apps_on_mocked_tfds(tmp_path, app, dataset, extra):
+    result = run_python(["-c", MOCK_TFDS.format(app=app), f"--dataset={dataset}", "--steps=4",
+                         "--global_batch_size=16", "--precision=mixed_bfloat16", f"--model_dir={tmp_path}", *extra])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4 steps" in _summary(result.stdout)
+    card = json.load(open(tmp_path / "run_card.json"))
+    assert card["dataset"].startswith(dataset)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model=resnet9"], "unknown model 'resnet9'; choose one of:"),
+    (["--precision=fp8"], "unknown precision 'fp8'; choose one of:"),
+    (["--strategy=mirrored", "--cpu_replicas=3", "--global_batch_size=64"],
+     "global batch 64 is not divisible by 3 replicas"),
+    (["--mixed", "--precision=float32"], "--mixed conflicts with --precision=float32"),
+    (["--no_such_flag=1"], "no_such_flag"),
+])
+def test_user_errors_exit_2_with_one_line(tmp_path, args, message):
+    model_dir = tmp_path / "run"
+    result = run_python(["-m", "apps.classify", *args, f"--model_dir={model_dir}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert not model_dir.exists()
+
+
+def test_malformed_tf_config_exits_2(tmp_path):
+    result = run_python(["-m", "apps.classify", f"--model_dir={tmp_path / 'run'}"],
+                        env={"TF_CONFIG": '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}'})
+    assert result.returncode == 2
+    assert "TF_CONFIG task index 3 is out of range for 1 worker" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_killed_run_resumes_at_the_saved_step(tmp_path):
+    command = [sys.executable, "-m", "apps.classify", "--model=lenet", "--dataset=digits", "--steps=400",
+               "--steps_per_epoch=400", "--checkpoint_every=20", "--global_batch_size=32",
+               "--log_every=20", f"--model_dir={tmp_path}"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = str(tmp_path / "checkpoints" / "ckpt-*.index")
+    deadline = time.time() + 300
+    while len(glob.glob(checkpoints)) < 2 and time.time() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    saved = max(int(path.split("ckpt-")[1].split(".")[0]) for path in glob.glob(checkpoints))
+    assert 20 <= saved < 400, "the run finished before it could be killed"
+    result = run_python(command[1:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = json.load(open(tmp_path / "run_card.json"))
+    assert card["steps"].endswith(f"from step {saved}")
+    assert "400 steps" in _summary(result.stdout)
+    logged = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl") if '"train"' in line]
+    resumed = logged[logged.index(saved) + 1:] if saved in logged else logged
+    assert resumed[-1] == 400 and resumed == sorted(set(resumed))
+
+
+def test_every_config_parses_with_its_app():
+    checks = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.cfg"))):
+        header = open(path).read()
+        assert "# Command: python -m apps." in header, path
+        app = header.split("# Command: python -m apps.")[1].split()[0]
+        checks.append(f"from apps import {app}; from absl import flags; "
+                      f"flags.FLAGS(['x', '--flagfile={path}']); print('{os.path.basename(path)}', 'ok')")
+    result = run_python(["-c", "\n".join(checks)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count(" ok") == len(checks)

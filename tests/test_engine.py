@@ -1,0 +1,157 @@
+"""The distributed step: replicas agree with one device, overflow skips everywhere, XLA works."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmp import models, precision
+from tfmp.engine import Engine
+
+GLOBAL_BATCH = 16
+SHAPE = (16, 16, 1)
+
+
+def _data(poison=None):
+    """Fixed images/labels; `poison` = slice of the global batch whose images are inf."""
+    rng = np.random.default_rng(0)
+    images = rng.random((64, *SHAPE), dtype=np.float32)
+    labels = rng.integers(0, 10, 64).astype(np.int32)
+    if poison is not None:
+        images[poison] = np.inf
+    return images, labels
+
+
+def _distributed(strategy, images, labels, repeat=True):
+    def dataset_fn(input_context):
+        dataset = tf.data.Dataset.from_tensor_slices((images, labels))
+        dataset = dataset.repeat() if repeat else dataset
+        return dataset.batch(input_context.get_per_replica_batch_size(GLOBAL_BATCH))
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def _engine(strategy, policy="float32", xla=False, loss_scale="auto", learning_rate=0.05):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = models.build("lenet", SHAPE, 10, dtype=policy)
+        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(learning_rate), policy, loss_scale,
+                                             initial_scale=1024.0)
+    return Engine(strategy, model, optimizer, GLOBAL_BATCH, xla=xla)
+
+
+def _weights(model):
+    return [np.asarray(w.numpy()) for w in model.trainable_weights]
+
+
+def _replica_copies(model):
+    """Every replica's copy of every trainable variable."""
+    copies = []
+    for weight in model.trainable_weights:
+        variable = weight.value
+        copies.append([v.numpy() for v in getattr(variable, "values", [variable])])
+    return copies
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def test_two_replicas_match_one_device(mirrored):
+    """Same global batch on 1 device and on 2 replicas: same weights after 5 steps."""
+    images, labels = _data()
+    results = []
+    for strategy in (tf.distribute.OneDeviceStrategy("/cpu:0"), mirrored):
+        engine = _engine(strategy)
+        totals = engine.train(iter(_distributed(strategy, images, labels)), 5)
+        assert totals.examples == 5 * GLOBAL_BATCH
+        results.append((_weights(engine.model), totals.loss))
+    (single, single_loss), (replicated, replicated_loss) = results
+    for one, two in zip(single, replicated):
+        # float32 sums in a different order: agreement to ~1e-6, tolerance 1e-5.
+        np.testing.assert_allclose(one, two, atol=1e-5)
+    assert single_loss == pytest.approx(replicated_loss, rel=1e-5)
+    assert not np.allclose(single[0], _weights(_engine(mirrored).model)[0])  # it did train
+
+
+def test_steps_per_execution_is_only_a_host_loop(mirrored):
+    images, labels = _data()
+    one_call, four_calls = _engine(mirrored), _engine(mirrored)
+    one_call.train(iter(_distributed(mirrored, images, labels)), 4)
+    iterator = iter(_distributed(mirrored, images, labels))
+    for _ in range(4):
+        four_calls.train(iterator, 1)
+    for a, b in zip(_weights(one_call.model), _weights(four_calls.model)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("poisoned_replica", [0, 1])
+def test_overflow_on_one_replica_skips_the_step_on_all(mirrored, poisoned_replica):
+    # Replica r receives rows [8r, 8r+8) of each global batch of 16.
+    rows = slice(8 * poisoned_replica, 8 * poisoned_replica + 8)
+    images, labels = _data(poison=rows)
+    engine = _engine(mirrored, "mixed_float16")
+    before = _weights(engine.model)
+    totals = engine.train(iter(_distributed(mirrored, images, labels)), 1)
+    assert totals.nonfinite_steps == 1
+    for variable, start in zip(_replica_copies(engine.model), before):
+        for copy in variable:
+            assert np.isfinite(copy).all()
+            np.testing.assert_array_equal(copy, start)
+    assert precision.current_loss_scale(engine.optimizer) == 512.0
+
+
+def test_fit_with_tfmp_loss_scaler_also_skips_replica_1_overflow(mirrored):
+    """The fix lives in the optimizer, so Keras' own fit loop gets it too."""
+    images, labels = _data(poison=slice(8, 16))
+    keras.utils.set_random_seed(1)
+    with mirrored.scope():
+        model = models.build("lenet", SHAPE, 10, dtype="mixed_float16")
+        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), "mixed_float16", "dynamic",
+                                             initial_scale=1024.0)
+        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    before = _weights(model)
+    model.fit(images[:16], labels[:16], batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False)
+    for variable, start in zip(_replica_copies(model), before):
+        for copy in variable:
+            np.testing.assert_array_equal(copy, start)
+    assert precision.current_loss_scale(optimizer) == 512.0
+
+
+def test_float32_overflow_is_counted_for_the_stop_decision(mirrored):
+    images, labels = _data(poison=slice(0, 1))
+    totals = _engine(mirrored).train(iter(_distributed(mirrored, images, labels)), 1)
+    assert totals.nonfinite_steps == 1
+
+
+@pytest.mark.parametrize("policy", precision.POLICIES)
+def test_xla_under_mirrored_trains_every_policy(mirrored, policy):
+    images, labels = _data()
+    engine = _engine(mirrored, policy, xla=True)
+    totals = engine.train(iter(_distributed(mirrored, images, labels)), 2)
+    assert np.isfinite(totals.loss) and totals.nonfinite_steps == 0
+    for variable in _replica_copies(engine.model):
+        for copy in variable[1:]:
+            np.testing.assert_array_equal(copy, variable[0])  # replicas stay identical
+
+
+def test_xla_matches_no_xla(mirrored):
+    images, labels = _data()
+    compiled, plain = _engine(mirrored, xla=True), _engine(mirrored, xla=False)
+    for engine in (compiled, plain):
+        engine.train(iter(_distributed(mirrored, images, labels)), 3)
+    for a, b in zip(_weights(compiled.model), _weights(plain.model)):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_evaluate_counts_every_example_once_and_ignores_padding(mirrored):
+    images, labels = _data()
+    engine = _engine(mirrored)
+    padded_labels = np.concatenate([labels[:50], np.full(14, -1, np.int32)])  # 64 = 4 full batches
+    totals = engine.evaluate(_distributed(mirrored, images, padded_labels, repeat=False))
+    assert totals.examples == 50 and totals.loss_examples == 50
+    probabilities = engine.model.predict(images[:50], verbose=0)
+    expected = np.mean(np.argmax(probabilities, -1) == labels[:50])
+    assert totals.accuracy == pytest.approx(expected)
+    # Accumulators reset after reading.
+    assert engine.evaluate(_distributed(mirrored, images[:16], labels[:16], repeat=False)).examples == 16
