@@ -7,7 +7,9 @@ status 2 (3 when training diverged), never a traceback.
 
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
 
 from absl import app, flags
 
@@ -88,10 +90,18 @@ def _parse_flags(argv):
         sys.exit(2)
 
 
+def _quiet_tensorflow() -> None:
+    # TF logs every all-reduce it plans at INFO, and tf.data warns about reading options inside
+    # tf.function, which tfmp's eval loop does by design; tfmp's own INFO lines stay.
+    logging.getLogger("tensorflow").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
+
+
 def run(main) -> None:
     """absl's app.run, with user errors as one line and exit status 2 (3: diverged)."""
 
     def guarded(argv):
+        _quiet_tensorflow()
         if len(argv) > 1:
             print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value", file=sys.stderr)
             sys.exit(2)

@@ -134,27 +134,36 @@ def get_strategy(name: str = "auto", tf_config: str | None = None) -> tf.distrib
     raw = os.environ.get("TF_CONFIG") if tf_config is None else tf_config
     cluster = parse_tf_config(raw)
     multi_task = cluster is not None and cluster.num_workers > 1
+    if name == "auto" and multi_task:
+        name = "multi_worker"
+    if name == "multi_worker":
+        # Before anything lists logical devices: that starts TensorFlow's runtime, and
+        # collective ops can only be configured before it starts.
+        return _multi_worker(cluster)
     devices = _local_devices()
     if name == "auto":
-        name = "multi_worker" if multi_task else ("mirrored" if len(devices) > 1 else "default")
-        logging.info("strategy auto -> %s (%d local devices, TF_CONFIG tasks: %s)", name,
-                     len(devices), cluster.num_workers if cluster else 0)
-    if name != "multi_worker" and multi_task:
+        name = "mirrored" if len(devices) > 1 else "default"
+        logging.info("strategy auto -> %s (%d local devices)", name, len(devices))
+    if multi_task:
         raise UsageError(f"--strategy={name} with a TF_CONFIG of {cluster.num_workers} tasks would "
                          "train each worker alone; use --strategy=multi_worker (or auto) or unset TF_CONFIG")
     if name == "default":
         return tf.distribute.get_strategy()
     if name == "one_device":
         return tf.distribute.OneDeviceStrategy(devices[0])
-    if name == "mirrored":
-        return tf.distribute.MirroredStrategy(devices)
+    return tf.distribute.MirroredStrategy(devices)
+
+
+def _multi_worker(cluster: ClusterConfig | None) -> tf.distribute.Strategy:
     if cluster is None:
         raise UsageError("--strategy=multi_worker needs TF_CONFIG naming the cluster and this task; "
                          "start workers with `python -m tfmp.launch` or set TF_CONFIG")
     if cluster.task_type in ("ps", "evaluator"):
         raise UsageError(f"TF_CONFIG task type {cluster.task_type!r} is not a training worker for "
                          "MultiWorkerMirroredStrategy; use chief/worker")
-    if len(tf.config.list_logical_devices("CPU")) > 1 and not tf.config.list_logical_devices("GPU"):
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    split = tf.config.get_logical_device_configuration(cpu) or []
+    if len(split) > 1 and not tf.config.list_physical_devices("GPU"):
         raise UsageError("--cpu_replicas>1 with --strategy=multi_worker is not supported: "
                          "MultiWorkerMirroredStrategy runs one CPU replica per worker; start more workers")
     return tf.distribute.MultiWorkerMirroredStrategy()

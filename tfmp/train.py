@@ -102,12 +102,13 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
         raise unknown("model", config.model, models.MODELS)
     # Logical CPU devices can only be made before TensorFlow initialises its runtime.
     distribute.split_cpu(config.cpu_replicas)
+    # Next the strategy: MultiWorkerMirroredStrategy must exist before any TensorFlow op runs.
+    strategy = distribute.get_strategy(config.strategy)
     policy_choice = precision.resolve(config.precision)
     policy = policy_choice.policy
     loss_scale = precision.parse_loss_scale(config.loss_scale)
     info = data.describe(config.dataset, image_size=config.image_size, data_dir=config.data_dir)
     use_xla, xla_reason = resolve_xla(config.xla)
-    strategy = distribute.get_strategy(config.strategy)
     topology = distribute.describe(strategy)
     per_replica_batch = distribute.per_replica_batch(config.global_batch_size, strategy)
     steps_per_epoch = config.steps_per_epoch or info.train_examples // config.global_batch_size

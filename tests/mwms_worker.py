@@ -1,0 +1,55 @@
+"""One MultiWorkerMirroredStrategy worker for tests/test_multi_worker.py.
+
+    TF_CONFIG=... python tests/mwms_worker.py
+
+Trains LeNet on the built-in digits for a few steps under every precision, with and without
+XLA, through the same Engine the apps use, then prints one JSON line per combination with
+the loss, the examples seen and a checksum of the weights, for the test to compare across
+workers.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfmp import data, distribute, models, precision  # noqa: E402
+from tfmp.engine import Engine  # noqa: E402
+
+GLOBAL_BATCH = 32
+STEPS = 3
+
+
+def main():
+    strategy = distribute.get_strategy("multi_worker")
+    topology = distribute.describe(strategy)
+    train = strategy.distribute_datasets_from_function(
+        lambda context: data.load("digits", "train", GLOBAL_BATCH, input_context=context)[0])
+    evaluation = strategy.distribute_datasets_from_function(
+        lambda context: data.load("digits", "eval", GLOBAL_BATCH, input_context=context, training=False)[0])
+    for policy in precision.POLICIES:
+        for xla in (False, True):
+            keras.utils.set_random_seed(0)
+            with strategy.scope():
+                model = models.build("lenet", (28, 28, 1), 10, dtype=policy)
+                optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), policy, "auto")
+            engine = Engine(strategy, model, optimizer, GLOBAL_BATCH, xla=xla)
+            totals = engine.train(iter(train), STEPS)
+            evaluated = engine.evaluate(evaluation)
+            weights = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
+            print(json.dumps({
+                "policy": policy, "xla": xla, "workers": topology.workers,
+                "replicas": strategy.num_replicas_in_sync, "chief": topology.is_chief,
+                "loss": totals.loss, "examples": totals.examples, "eval_examples": evaluated.examples,
+                "finite": bool(np.isfinite(weights).all()),
+                "checksum": hashlib.sha256(weights.tobytes()).hexdigest()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

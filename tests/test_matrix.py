@@ -1,0 +1,87 @@
+"""The compatibility matrix in README.md: strategy x precision x XLA, every cell trains.
+
+Single-process strategies run in-process on the two logical CPUs of conftest; the
+multi-worker column runs two real worker processes on localhost ports.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import ROOT
+from tfmp import data, distribute, models, precision
+from tfmp.engine import Engine
+
+GLOBAL_BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def strategies():
+    return {name: distribute.get_strategy(name, tf_config="")
+            for name in ("default", "one_device", "mirrored")}
+
+
+@pytest.mark.parametrize("xla", [False, True], ids=["xla_off", "xla_on"])
+@pytest.mark.parametrize("policy", precision.POLICIES)
+@pytest.mark.parametrize("strategy_name", ["default", "one_device", "mirrored"])
+def test_single_process_cell_trains(strategies, strategy_name, policy, xla):
+    strategy = strategies[strategy_name]
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = models.build("lenet", (28, 28, 1), 10, dtype=policy)
+        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), policy, "auto")
+    engine = Engine(strategy, model, optimizer, GLOBAL_BATCH, xla=xla)
+    train = strategy.distribute_datasets_from_function(
+        lambda context: data.load("digits", "train", GLOBAL_BATCH, input_context=context)[0])
+    first = engine.train(iter(train), 1)
+    later = engine.train(iter(train), 8)
+    assert np.isfinite(first.loss) and later.nonfinite_steps == 0
+    assert later.examples == 8 * GLOBAL_BATCH
+    for weight in model.trainable_weights:
+        assert weight.dtype == "float32"
+        assert np.isfinite(weight.numpy()).all()
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("localhost", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+@pytest.mark.slow
+def test_multi_worker_cells_train_and_agree():
+    """2 workers x every precision x XLA off/on: same weights on both workers, full batches."""
+    workers = [f"localhost:{port}" for port in _free_ports(2)]
+    processes = []
+    for index in range(2):
+        tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+        env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL="2")
+        processes.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "mwms_worker.py")],
+                                          cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE))
+    outputs = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
+        outputs.append([json.loads(line) for line in stdout.splitlines() if line.startswith("{")])
+    chief, other = outputs
+    assert len(chief) == len(other) == 2 * len(precision.POLICIES)
+    assert [r["chief"] for r in chief] == [True] * 6 and [r["chief"] for r in other] == [False] * 6
+    for mine, theirs in zip(chief, other):
+        assert (mine["policy"], mine["xla"]) == (theirs["policy"], theirs["xla"])
+        assert mine["workers"] == 2 and mine["replicas"] == 2
+        assert mine["finite"] and np.isfinite(mine["loss"])
+        assert mine["examples"] == 3 * 32  # the global batch, summed over both workers
+        assert mine["eval_examples"] == 2000  # every eval example once, across workers
+        assert mine["checksum"] == theirs["checksum"], mine
