@@ -102,7 +102,7 @@ def resolve(precision: str, hardware: Hardware | None = None) -> PolicyChoice:
     warning = None
     if precision == "mixed_float16" and not capabilities:
         warning = ("mixed_float16 on a CPU: float16 kernels are emulated and much slower than "
-                   "float32 (5x measured for a small CNN); use it here only to test the GPU path")
+                   "float32 (4-6x slower measured for a small CNN); use it here only to test the GPU path")
     return PolicyChoice(precision, "requested", warning)
 
 
