@@ -19,6 +19,12 @@ distribute.split_cpu(2)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(scope="session")
+def mirrored():
+    """MirroredStrategy over the two logical CPUs, as `--strategy=mirrored` builds it."""
+    return distribute.get_strategy("mirrored", tf_config="")
+
+
 @pytest.fixture(autouse=True)
 def float32_global_policy():
     """Tests that change Keras' global policy must not leak it into the next test."""

@@ -52,11 +52,6 @@ def _replica_copies(model):
     return copies
 
 
-@pytest.fixture(scope="module")
-def mirrored():
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-
-
 def test_two_replicas_match_one_device(mirrored):
     """Same global batch on 1 device and on 2 replicas: same weights after 5 steps."""
     images, labels = _data()

@@ -71,8 +71,7 @@ def test_fixed_loss_scale_unscales_gradients():
     np.testing.assert_allclose(variable.numpy(), [0.5, 0.0])
 
 
-def _two_replica_setup(growth_steps=2):
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+def _two_replica_setup(strategy, growth_steps=2):
     with strategy.scope():
         variable = keras.Variable(np.ones(4, np.float32), name="weights")
         optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.1), "mixed_float16", "dynamic",
@@ -98,9 +97,9 @@ def _apply_step(strategy, variable, optimizer, bad_replica):
 
 
 @pytest.mark.parametrize("bad_replica", [0, 1])
-def test_overflow_on_any_replica_skips_step_everywhere(bad_replica):
+def test_overflow_on_any_replica_skips_step_everywhere(mirrored, bad_replica):
     # Plain Keras 3.15 applies inf when only replica 1 overflows (shared/repro/lso_replica_overflow.py).
-    strategy, variable, optimizer = _two_replica_setup()
+    strategy, variable, optimizer = _two_replica_setup(mirrored)
     copies = _apply_step(strategy, variable, optimizer, bad_replica)
     for copy in copies:
         np.testing.assert_array_equal(copy, np.ones(4))
@@ -108,8 +107,8 @@ def test_overflow_on_any_replica_skips_step_everywhere(bad_replica):
     assert int(optimizer.iterations.numpy()) == 0
 
 
-def test_finite_steps_apply_and_grow_scale_on_schedule():
-    strategy, variable, optimizer = _two_replica_setup(growth_steps=2)
+def test_finite_steps_apply_and_grow_scale_on_schedule(mirrored):
+    strategy, variable, optimizer = _two_replica_setup(mirrored, growth_steps=2)
     copies = _apply_step(strategy, variable, optimizer, bad_replica=-1)
     # Sum over 2 replicas of unscaled gradient 1.0, times learning rate 0.1.
     for copy in copies:

@@ -151,7 +151,11 @@ def get_strategy(name: str = "auto", tf_config: str | None = None) -> tf.distrib
         return tf.distribute.get_strategy()
     if name == "one_device":
         return tf.distribute.OneDeviceStrategy(devices[0])
-    return tf.distribute.MirroredStrategy(devices)
+    if tf.config.list_logical_devices("GPU"):
+        return tf.distribute.MirroredStrategy(devices)  # NCCL all-reduce between GPUs
+    # Logical CPUs share one memory: reduce on one device. TF's default for them, ring
+    # collectives, also breaks when a process creates a second strategy (instance keys collide).
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
 def _multi_worker(cluster: ClusterConfig | None) -> tf.distribute.Strategy:
