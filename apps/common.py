@@ -8,13 +8,15 @@ status 2 (3 when training diverged), never a traceback.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 
 from absl import app, flags
 
 from tfmp import distribute, optim, precision
-from tfmp.errors import TrainingDiverged, UsageError
+from tfmp.errors import EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, Preempted, TrainingDiverged, UsageError
+from tfmp.launch import STARTUP_TIMEOUT_ENV
 from tfmp.train import XLA_CHOICES, TrainConfig
 
 FLAGS = flags.FLAGS
@@ -49,12 +51,14 @@ flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept in --model_dir.")
 flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps; 0 saves at every epoch end.")
 flags.DEFINE_integer("log_every", 50, "Steps between metrics.jsonl/TensorBoard records.")
 flags.DEFINE_integer("seed", 0, "Seed for weights, shuffling and augmentation.")
+flags.DEFINE_float("startup_timeout", float(os.environ.get(STARTUP_TIMEOUT_ENV, 120)),
+                   "Multi-worker: seconds to wait for every peer before failing (tfmp.launch sets it).")
 
 TRAIN_FLAGS = ("model", "dataset", "image_size", "data_dir", "augment", "cache", "epochs", "steps",
                "steps_per_epoch", "global_batch_size", "optimizer", "learning_rate", "weight_decay",
                "lr_scaling", "reference_batch_size", "warmup_steps", "lr_decay", "precision",
                "loss_scale", "strategy", "cpu_replicas", "xla", "steps_per_execution", "model_dir",
-               "keep_checkpoints", "checkpoint_every", "log_every", "seed")
+               "keep_checkpoints", "checkpoint_every", "log_every", "seed", "startup_timeout")
 
 
 def precision_from_flags() -> str:
@@ -87,7 +91,7 @@ def _parse_flags(argv):
         return FLAGS(argv)
     except flags.Error as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
 
 
 def _quiet_tensorflow() -> None:
@@ -98,20 +102,23 @@ def _quiet_tensorflow() -> None:
 
 
 def run(main) -> None:
-    """absl's app.run, with user errors as one line and exit status 2 (3: diverged)."""
+    """absl's app.run; user errors are one line and exit 2, divergence 3, preemption 42."""
 
     def guarded(argv):
         _quiet_tensorflow()
         if len(argv) > 1:
             print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(EXIT_USAGE)
         try:
             main(argv)
         except UsageError as error:
             print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(EXIT_USAGE)
         except TrainingDiverged as error:
             print(f"error: {error}", file=sys.stderr)
-            sys.exit(3)
+            sys.exit(EXIT_DIVERGED)
+        except Preempted as error:
+            print(f"preempted: {error}", file=sys.stderr)
+            sys.exit(EXIT_PREEMPTED)
 
     app.run(guarded, flags_parser=_parse_flags)

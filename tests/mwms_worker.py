@@ -5,7 +5,7 @@
 Trains LeNet on the built-in digits for a few steps under every precision, with and without
 XLA, through the same Engine the apps use, then prints one JSON line per combination with
 the loss, the examples seen and a checksum of the weights, for the test to compare across
-workers.
+workers; last, one float16 step with inf images on worker 1 only, which both must skip.
 """
 
 import hashlib
@@ -49,6 +49,33 @@ def main():
                 "loss": totals.loss, "examples": totals.examples, "eval_examples": evaluated.examples,
                 "finite": bool(np.isfinite(weights).all()),
                 "checksum": hashlib.sha256(weights.tobytes()).hexdigest()}), flush=True)
+    overflow_on_worker_1(strategy)
+
+
+def overflow_on_worker_1(strategy):
+    """Inf images on worker 1 only: the float16 step must be skipped on both workers."""
+
+    def poisoned(context):
+        dataset = data.load("digits", "train", GLOBAL_BATCH, input_context=context)[0]
+        if context.input_pipeline_id == 1:
+            dataset = dataset.map(lambda images, labels: (images * np.inf, labels))
+        return dataset
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = models.build("lenet", (28, 28, 1), 10, dtype="mixed_float16")
+        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), "mixed_float16", "dynamic")
+    engine = Engine(strategy, model, optimizer, GLOBAL_BATCH)
+    before = _digest(model)
+    totals = engine.train(iter(strategy.distribute_datasets_from_function(poisoned)), 1)
+    print(json.dumps({"overflow": True, "unchanged": _digest(model) == before,
+                      "nonfinite_steps": totals.nonfinite_steps,
+                      "loss_scale": precision.current_loss_scale(optimizer)}), flush=True)
+
+
+def _digest(model):
+    weights = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
+    return hashlib.sha256(weights.tobytes()).hexdigest()
 
 
 if __name__ == "__main__":

@@ -364,3 +364,21 @@ def test_folder_errors(tmp_path):
     assert data.describe(f"folder:{tmp_path / 'few'}").eval_examples == 0
     with pytest.raises(UsageError, match="no eval images"):
         data.load(f"folder:{tmp_path / 'few'}", "eval", 2, training=False)
+
+
+@pytest.mark.parametrize("spec", ["digits", "shapes"])
+def test_two_workers_see_exactly_a_single_process_global_batch(spec):
+    """Late sharding: worker batches of step k together are the single-process batch k."""
+    single_images, _ = _take(data.load(spec, "train", 8, seed=3)[0], 3)
+    workers = []
+    for pipeline_id in (0, 1):
+        dataset, policy = data.load(spec, "train", 8, seed=3, input_context=_context(2, pipeline_id, 2))
+        assert policy == "DATA"
+        workers.append(_take(dataset, 3)[0])
+    for step in range(3):
+        expected = single_images[step * 8:(step + 1) * 8]
+        together = np.concatenate([w[step * 4:(step + 1) * 4] for w in workers])
+        np.testing.assert_allclose(np.sort(together.reshape(8, -1).sum(1)),
+                                   np.sort(expected.reshape(8, -1).sum(1)), rtol=1e-5)
+    resumed, _ = data.load(spec, "train", 8, seed=3, input_context=_context(2, 1, 2), skip_examples=4)
+    np.testing.assert_array_equal(_take(resumed, 1)[0], workers[1][4:8])

@@ -6,7 +6,7 @@ import math
 import pytest
 import tensorflow as tf
 
-from tfmp import distribute
+from tfmp import cluster, distribute
 from tfmp.errors import UsageError
 
 
@@ -15,12 +15,12 @@ def _tf_config(cluster, task_type="worker", index=0):
 
 
 def test_valid_tf_config():
-    config = distribute.parse_tf_config(_tf_config({"worker": ["localhost:2222", "10.0.0.2:2222"]}, index=1))
+    config = cluster.parse_tf_config(_tf_config({"worker": ["localhost:2222", "10.0.0.2:2222"]}, index=1))
     assert (config.num_workers, config.task_type, config.task_index, config.is_chief) == (2, "worker", 1, False)
     assert config.address == "10.0.0.2:2222"
-    chief = distribute.parse_tf_config(_tf_config({"chief": ["a:1"], "worker": ["b:2"]}, "chief"))
+    chief = cluster.parse_tf_config(_tf_config({"chief": ["a:1"], "worker": ["b:2"]}, "chief"))
     assert chief.is_chief and chief.num_workers == 2
-    assert distribute.parse_tf_config("") is None and distribute.parse_tf_config(None) is None
+    assert cluster.parse_tf_config("") is None and cluster.parse_tf_config(None) is None
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -38,7 +38,7 @@ def test_valid_tf_config():
 ])
 def test_malformed_tf_config_is_one_clear_line(raw, message):
     with pytest.raises(UsageError, match=message) as error:
-        distribute.parse_tf_config(raw)
+        cluster.parse_tf_config(raw)
     assert "\n" not in str(error.value)
 
 

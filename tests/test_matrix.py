@@ -61,7 +61,8 @@ def _free_ports(count):
 
 @pytest.mark.slow
 def test_multi_worker_cells_train_and_agree():
-    """2 workers x every precision x XLA off/on: same weights on both workers, full batches."""
+    """2 workers x every precision x XLA off/on: same weights on both workers, full batches;
+    and a float16 overflow on worker 1 alone skips the step on both."""
     workers = [f"localhost:{port}" for port in _free_ports(2)]
     processes = []
     for index in range(2):
@@ -74,7 +75,12 @@ def test_multi_worker_cells_train_and_agree():
     for process in processes:
         stdout, stderr = process.communicate(timeout=600)
         assert process.returncode == 0, stderr[-3000:]
-        outputs.append([json.loads(line) for line in stdout.splitlines() if line.startswith("{")])
+        records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        overflow = records.pop()
+        # Worker 1's overflow skipped the step everywhere: weights unchanged, scale halved.
+        assert overflow["unchanged"] and overflow["nonfinite_steps"] >= 1, overflow
+        assert overflow["loss_scale"] == 2.0**14, overflow
+        outputs.append(records)
     chief, other = outputs
     assert len(chief) == len(other) == 2 * len(precision.POLICIES)
     assert [r["chief"] for r in chief] == [True] * 6 and [r["chief"] for r in other] == [False] * 6

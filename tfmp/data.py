@@ -23,8 +23,10 @@ per example index from stateless random numbers keyed by (fixed content seed, sp
 they cost no memory at any resolution, are identical everywhere and parallelise freely.
 
 Pipeline order: cheap example stream (indices, file paths or still-encoded TFDS records) ->
-shard -> [decode + cache, if cache=True] -> shuffle (training) -> repeat (training only) ->
-skip(skip_examples) -> decode -> augment -> batch -> prefetch. Shuffling and skipping the
+[shard] -> [decode + cache, if cache=True] -> shuffle (training) -> repeat (training only) ->
+[shard] -> skip(skip_examples) -> decode -> augment -> batch -> prefetch. Training streams
+without TFDS file sharding or cache shard late: every worker shuffles identically and takes
+every n-th example, so each global batch is exactly a single process's. Shuffling and skipping the
 cheap stream means resuming after N examples decodes none of them. ``cache=True`` decodes
 in source order and caches *before* the shuffle; the shuffle buffer is the same, so the
 example order is the same as without cache (skipped examples are then decoded, as they fill
@@ -393,7 +395,8 @@ def load(spec: str, split: str, global_batch_size: int, *, image_size: int | Non
         dataset = _synthetic(source, batch_size, training, seed + 7919 * pipeline_id, input_context)
     else:
         dataset = _pipeline(source, policy, input_context, batch_size, training=training,
-                            augment=augment, cache=cache, seed=seed, skip_examples=skip_examples)
+                            augment=augment, cache=cache, seed=seed, skip_examples=skip_examples,
+                            file_level=policy == "FILE" and spec.startswith("tfds:"))
     options = tf.data.Options()
     options.deterministic = True  # parallel maps keep order: runs are reproducible
     # tfmp shards itself (above); tf.distribute must not shard a second time.
@@ -402,13 +405,17 @@ def load(spec: str, split: str, global_batch_size: int, *, image_size: int | Non
 
 
 def _pipeline(source, policy, input_context, batch_size, *, training, augment, cache, seed,
-              skip_examples):
-    # Shuffled files would shard differently on each worker unless all orders agree: only
-    # shuffle files when each pipeline reads its own files.
-    shuffle_files = training and policy != "DATA"
-    dataset = source.examples(input_context if policy == "FILE" else None,
-                              seed if shuffle_files else None)
-    if policy == "DATA":
+              skip_examples, file_level):
+    # Two ways to split the stream between input pipelines (workers):
+    # - late (training, DATA or per-example files, no cache): every pipeline shuffles the same
+    #   cheap stream with the same seed, then takes every n-th example. Each global batch is then
+    #   exactly the one a single process would see, on any number of workers.
+    # - early (TFDS file sharding, eval, cache): each pipeline reads only its own part, shuffled
+    #   on its own; cheaper I/O and memory, different batch composition.
+    late = training and not cache and not file_level and policy != "OFF"
+    shuffle_files = training and file_level
+    dataset = source.examples(input_context if file_level else None, seed if shuffle_files else None)
+    if policy != "OFF" and not late and not file_level:
         dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
     decode = source.decode
     if cache:  # decode in source order, then shuffle the cache with the very same buffer
@@ -418,6 +425,8 @@ def _pipeline(source, policy, input_context, batch_size, *, training, augment, c
         dataset = dataset.repeat()
     # The stream position keys the augmentation, so a resumed run augments identically.
     dataset = dataset.enumerate()
+    if late:
+        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
     if training:
         dataset = dataset.skip(skip_examples)
     seed_tensor = tf.constant(seed, tf.int64)

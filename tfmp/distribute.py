@@ -15,88 +15,18 @@ device, else default. Batch sizes are always global: every replica gets global /
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import re
 
 import tensorflow as tf
 from absl import logging
 
+from tfmp.cluster import ClusterConfig, parse_tf_config, rendezvous
 from tfmp.errors import UsageError, unknown
 
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
-TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 LR_SCALING = ("none", "linear", "sqrt")
-_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterConfig:
-    """A validated TF_CONFIG."""
-
-    cluster: dict[str, list[str]]
-    task_type: str
-    task_index: int
-
-    @property
-    def num_workers(self) -> int:
-        return len(self.cluster.get("chief", [])) + len(self.cluster.get("worker", []))
-
-    @property
-    def is_chief(self) -> bool:
-        # Without an explicit chief, worker 0 plays the chief (TensorFlow's convention).
-        if "chief" in self.cluster:
-            return self.task_type == "chief"
-        return self.task_type == "worker" and self.task_index == 0
-
-    @property
-    def address(self) -> str:
-        return self.cluster[self.task_type][self.task_index]
-
-
-def parse_tf_config(raw: str | None) -> ClusterConfig | None:
-    """Validates TF_CONFIG before TensorFlow reads it: TF hangs or crashes on most mistakes."""
-    if not raw or not raw.strip():
-        return None
-    fix = 'expected {"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"TF_CONFIG is not valid JSON ({error.msg} at char {error.pos}); {fix}") from None
-    if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
-        raise UsageError(f"TF_CONFIG has no 'cluster' object; {fix}")
-    cluster = config["cluster"]
-    for task_type, addresses in cluster.items():
-        if task_type not in TASK_TYPES:
-            raise UsageError(f"TF_CONFIG cluster has unknown task type {task_type!r}; "
-                             f"use {', '.join(TASK_TYPES)}")
-        if not isinstance(addresses, list) or not addresses:
-            raise UsageError(f"TF_CONFIG cluster[{task_type!r}] must be a non-empty list of host:port")
-        for address in addresses:
-            match = _ADDRESS.match(str(address))
-            if not match or not 0 < int(match.group(2)) < 65536:
-                raise UsageError(f"TF_CONFIG cluster[{task_type!r}] has {address!r}, "
-                                 "not host:port with a port in 1-65535")
-    if len(cluster.get("chief", [])) > 1:
-        raise UsageError(f"TF_CONFIG names {len(cluster['chief'])} chiefs; at most one is allowed")
-    if "chief" not in cluster and "worker" not in cluster:
-        raise UsageError(f"TF_CONFIG cluster has neither 'chief' nor 'worker' tasks; {fix}")
-    task = config.get("task")
-    if not isinstance(task, dict) or "type" not in task or "index" not in task:
-        raise UsageError(f"TF_CONFIG has no 'task' with 'type' and 'index'; {fix}")
-    task_type, task_index = task["type"], task["index"]
-    if task_type not in cluster:
-        raise UsageError(f"TF_CONFIG task type {task_type!r} is not in the cluster "
-                         f"({', '.join(cluster)})")
-    if not isinstance(task_index, int) or not 0 <= task_index < len(cluster[task_type]):
-        raise UsageError(f"TF_CONFIG task index {task_index!r} is out of range for "
-                         f"{len(cluster[task_type])} {task_type} task(s); use 0.."
-                         f"{len(cluster[task_type]) - 1}")
-    all_addresses = [a for addresses in cluster.values() for a in addresses]
-    if len(set(all_addresses)) != len(all_addresses):
-        raise UsageError("TF_CONFIG lists the same host:port twice; every task needs its own port")
-    return ClusterConfig({k: list(v) for k, v in cluster.items()}, task_type, task_index)
+DEFAULT_STARTUP_TIMEOUT = 120.0
 
 
 def split_cpu(num_devices: int) -> None:
@@ -124,10 +54,13 @@ def _local_devices() -> list[str]:
     return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
 
 
-def get_strategy(name: str = "auto", tf_config: str | None = None) -> tf.distribute.Strategy:
+def get_strategy(name: str = "auto", tf_config: str | None = None,
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT) -> tf.distribute.Strategy:
     """Returns the strategy for `name` (see STRATEGIES); never None.
 
     `tf_config` defaults to the TF_CONFIG environment variable and is validated first.
+    Multi-worker: a worker that cannot reach its peers within `startup_timeout` seconds fails
+    with the unreachable addresses (TensorFlow's own default is to wait an hour).
     """
     if name not in STRATEGIES:
         raise unknown("strategy", name, STRATEGIES)
@@ -139,7 +72,7 @@ def get_strategy(name: str = "auto", tf_config: str | None = None) -> tf.distrib
     if name == "multi_worker":
         # Before anything lists logical devices: that starts TensorFlow's runtime, and
         # collective ops can only be configured before it starts.
-        return _multi_worker(cluster)
+        return _multi_worker(cluster, startup_timeout)
     devices = _local_devices()
     if name == "auto":
         name = "mirrored" if len(devices) > 1 else "default"
@@ -158,7 +91,7 @@ def get_strategy(name: str = "auto", tf_config: str | None = None) -> tf.distrib
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
-def _multi_worker(cluster: ClusterConfig | None) -> tf.distribute.Strategy:
+def _multi_worker(cluster: ClusterConfig | None, startup_timeout: float) -> tf.distribute.Strategy:
     if cluster is None:
         raise UsageError("--strategy=multi_worker needs TF_CONFIG naming the cluster and this task; "
                          "start workers with `python -m tfmp.launch` or set TF_CONFIG")
@@ -170,6 +103,7 @@ def _multi_worker(cluster: ClusterConfig | None) -> tf.distribute.Strategy:
     if len(split) > 1 and not tf.config.list_physical_devices("GPU"):
         raise UsageError("--cpu_replicas>1 with --strategy=multi_worker is not supported: "
                          "MultiWorkerMirroredStrategy runs one CPU replica per worker; start more workers")
+    rendezvous(cluster, startup_timeout)
     return tf.distribute.MultiWorkerMirroredStrategy()
 
 

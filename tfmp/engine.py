@@ -26,8 +26,9 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-# Accumulator slots (summed over replicas and steps).
-_LOSS_SUM, _LOSS_COUNT, _CORRECT, _EXAMPLES, _NONFINITE_STEPS = range(5)
+# Accumulator slots, summed over replicas and steps: loss sum, examples in it, correct,
+# examples, steps with non-finite values, steps run while a worker asked to stop.
+_SLOTS = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Totals:
     correct: float
     examples: float
     nonfinite_steps: float
+    stop_requests: float  # > 0 when any worker asked to stop (preemption); not a count
 
     @property
     def loss(self) -> float:
@@ -71,7 +73,7 @@ class Engine:
 
     @staticmethod
     def _accumulator(name: str) -> tf.Variable:
-        return tf.Variable(tf.zeros([5], tf.float32), trainable=False, name=name,
+        return tf.Variable(tf.zeros([_SLOTS], tf.float32), trainable=False, name=name,
                            synchronization=tf.VariableSynchronization.ON_READ,
                            aggregation=tf.VariableAggregation.SUM)
 
@@ -104,22 +106,23 @@ class Engine:
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None])
         return gradients, loss_sum, correct, examples, tf.logical_and(finite, tf.math.is_finite(loss_sum))
 
-    def _train_replica_step(self, images, labels):
+    def _train_replica_step(self, images, labels, stop_requested):
         gradients, loss_sum, correct, examples, finite = self._gradients(images, labels)
         self.optimizer.apply(gradients, self.model.trainable_variables)
-        self._accumulate(self._train_totals, loss_sum, correct, examples, finite)
+        self._accumulate(self._train_totals, loss_sum, correct, examples, finite, stop_requested)
 
     @staticmethod
-    def _accumulate(totals, loss_sum, correct, examples, finite=None):
+    def _accumulate(totals, loss_sum, correct, examples, finite=None, stop_requested=0.0):
         finite = tf.math.is_finite(loss_sum) if finite is None else finite
         totals.assign_add(tf.stack([
             tf.where(finite, loss_sum, 0.0), tf.where(finite, examples, 0.0), correct, examples,
-            tf.where(finite, 0.0, 1.0)]))
+            tf.where(finite, 0.0, 1.0), tf.cast(stop_requested, tf.float32)]))
 
-    def _train_loop(self, iterator, num_steps):
+    def _train_loop(self, iterator, num_steps, stop_requested):
+        # The stop request rides on the metrics' own reduction: no extra collective per step.
         for _ in tf.range(num_steps):
             images, labels = next(iterator)
-            self.strategy.run(self._train_replica_step, args=(images, labels))
+            self.strategy.run(self._train_replica_step, args=(images, labels, stop_requested))
 
     def _eval_replica_step(self, images, labels):
         probabilities = self.model(images, training=False)
@@ -132,12 +135,17 @@ class Engine:
     @staticmethod
     def _read_and_reset(totals: tf.Variable) -> Totals:
         values = totals.read_value().numpy()
-        totals.assign(tf.zeros([5], tf.float32))
+        totals.assign(tf.zeros([_SLOTS], tf.float32))
         return Totals(*(float(v) for v in values))
 
-    def train(self, iterator, num_steps: int) -> Totals:
-        """Runs `num_steps` steps in one call; returns (and resets) the metrics of those steps."""
-        self._train_fn(iterator, tf.constant(num_steps, tf.int64))
+    def train(self, iterator, num_steps: int, stop_requested: bool = False) -> Totals:
+        """Runs `num_steps` steps in one call; returns (and resets) the metrics of those steps.
+
+        `stop_requested` (this worker got SIGTERM) shows up on every worker as
+        `Totals.stop_requests > 0`, so all of them can checkpoint at the same step.
+        """
+        self._train_fn(iterator, tf.constant(num_steps, tf.int64),
+                       tf.constant(float(stop_requested), tf.float32))
         return self._read_and_reset(self._train_totals)
 
     def evaluate(self, distributed_dataset) -> Totals:

@@ -18,3 +18,11 @@ def unknown(kind: str, value: str, choices) -> UsageError:
 
 class TrainingDiverged(RuntimeError):
     """The loss became non-finite where no loss scaler can skip the step (exit status 3)."""
+
+
+EXIT_USAGE, EXIT_DIVERGED = 2, 3
+EXIT_PREEMPTED = 42  # as tf.distribute's PreemptionCheckpointHandler: "checkpoint saved, restart me"
+
+
+class Preempted(RuntimeError):
+    """SIGTERM reached a worker: every worker saved the same checkpoint and stops (exit 42)."""

@@ -11,18 +11,22 @@ shape) is checked before the model dir is created, so a bad command leaves nothi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
+import signal
+import threading
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from tfmp import data, distribute, models, optim, precision
 from tfmp.checkpoint import Checkpoints
 from tfmp.engine import Engine
-from tfmp.errors import TrainingDiverged, UsageError, unknown
+from tfmp.errors import Preempted, TrainingDiverged, UsageError, unknown
 from tfmp.reporting import Reporter
 
 XLA_CHOICES = ("auto", "on", "off")
@@ -63,6 +67,7 @@ class TrainConfig:
     log_every: int = 50
     evaluate: bool = True
     seed: int = 0
+    startup_timeout: float = distribute.DEFAULT_STARTUP_TIMEOUT  # multi-worker: wait for peers
     verbose: bool = True
 
 
@@ -103,7 +108,7 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
     # Logical CPU devices can only be made before TensorFlow initialises its runtime.
     distribute.split_cpu(config.cpu_replicas)
     # Next the strategy: MultiWorkerMirroredStrategy must exist before any TensorFlow op runs.
-    strategy = distribute.get_strategy(config.strategy)
+    strategy = distribute.get_strategy(config.strategy, startup_timeout=config.startup_timeout)
     policy_choice = precision.resolve(config.precision)
     policy = policy_choice.policy
     loss_scale = precision.parse_loss_scale(config.loss_scale)
@@ -205,6 +210,7 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
     step = start_step
     last_eval = None
     steady_examples, steady_seconds, first_call = 0, 0.0, True
+    preemption = _PreemptionNotice()
     try:
         while step < total_steps:
             epoch = step // steps_per_epoch
@@ -218,9 +224,14 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
                 if config.checkpoint_every:
                     num_steps = min(num_steps, config.checkpoint_every - step % config.checkpoint_every)
                 started = time.perf_counter()
-                totals = engine.train(train_iterator, num_steps)
+                totals = engine.train(train_iterator, num_steps, stop_requested=preemption.received)
                 seconds = time.perf_counter() - started
                 step += num_steps
+                if totals.stop_requests:
+                    # Every worker sees the same reduced value, so all save at this step.
+                    checkpoints.save(step)
+                    raise Preempted(f"SIGTERM on a worker: checkpoint saved at step {step} in "
+                                    f"{model_dir}; run the same command again to resume")
                 if not first_call:  # the first call traces and compiles: not throughput
                     steady_examples += num_steps * config.global_batch_size
                     steady_seconds += seconds
@@ -264,6 +275,7 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
         if topology.is_chief:
             model.save(os.path.join(model_dir, MODEL_FILE))
     finally:
+        preemption.restore()
         reporter.close()
         checkpoints.close()
 
@@ -274,10 +286,38 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
         "precision": policy, "replicas": topology.replicas, "workers": topology.workers,
         "steps": step, "loss_scale": precision.current_loss_scale(optimizer),
         "model_dir": os.path.abspath(model_dir),
+        "optimizer_iterations": int(optimizer.iterations.numpy()),
+        "weights_sha256": _weights_digest(model),
     }
     accuracy = f"{summary['eval_accuracy']:.4f}" if last_eval else "n/a"
     speed = f"{summary['examples_per_sec']:.0f}" if summary["examples_per_sec"] else "n/a"
-    reporter.message(f"tfmp summary: eval accuracy {accuracy}, {speed} examples/s, precision {policy}, "
-                     f"{topology.replicas} replica(s) on {topology.workers} worker(s), {step} steps, "
-                     f"model dir {summary['model_dir']}")
+    if config.verbose:  # every worker: identical weights digests show the workers agree
+        print(f"tfmp summary: eval accuracy {accuracy}, {speed} examples/s, precision {policy}, "
+              f"{topology.replicas} replica(s) on {topology.workers} worker(s), {step} steps, "
+              f"weights {summary['weights_sha256'][:12]}, model dir {summary['model_dir']}", flush=True)
     return summary
+
+
+def _weights_digest(model: keras.Model) -> str:
+    digest = hashlib.sha256()
+    for weight in model.weights:
+        digest.update(np.ascontiguousarray(weight.numpy()).tobytes())
+    return digest.hexdigest()
+
+
+class _PreemptionNotice:
+    """Notes SIGTERM (a scheduler's preemption notice) instead of dying mid-step."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame):
+        logging.warning("SIGTERM received: checkpointing with every worker after this execution")
+        self.received = True
+
+    def restore(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
