@@ -27,7 +27,8 @@ FLAGS.set_default("global_batch_size", 128)
 def main(argv):
     del argv
     cpu_replicas = FLAGS.cpu_replicas
-    if not FLAGS["cpu_replicas"].present and not tf.config.list_physical_devices("GPU"):
+    if (FLAGS.strategy == "mirrored" and not FLAGS["cpu_replicas"].present
+            and not tf.config.list_physical_devices("GPU")):
         # One logical device per core, as many as split the global batch evenly.
         cpu_replicas = max(n for n in range(1, (os.cpu_count() or 1) + 1)
                            if FLAGS.global_batch_size % n == 0)

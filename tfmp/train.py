@@ -293,7 +293,8 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
     speed = f"{summary['examples_per_sec']:.0f}" if summary["examples_per_sec"] else "n/a"
     if config.verbose:  # every worker: identical weights digests show the workers agree
         print(f"tfmp summary: eval accuracy {accuracy}, {speed} examples/s, precision {policy}, "
-              f"{topology.replicas} replica(s) on {topology.workers} worker(s), {step} steps, "
+              f"{topology.replicas} replica(s) on {topology.workers} worker(s), {step} steps "
+              f"({summary['optimizer_iterations']} applied), "
               f"weights {summary['weights_sha256'][:12]}, model dir {summary['model_dir']}", flush=True)
     return summary
 

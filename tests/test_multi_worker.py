@@ -1,0 +1,161 @@
+"""Multi-worker training for real: tfmp.launch starting 2 worker processes on localhost.
+
+Happy path against a single process, a SIGKILLed worker restarted from its checkpoint, a
+SIGTERMed worker checkpointing with its peer, an unreachable peer, malformed TF_CONFIGs.
+"""
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_python
+from tfmp import launch
+from tfmp.errors import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.slow
+
+# LeNet has neither dropout nor BatchNorm, so 2 workers can match 1 process to float rounding.
+APP = ["-m", "apps.classify", "--model=lenet", "--dataset=digits", "--global_batch_size=32",
+       "--optimizer=sgd", "--learning_rate=0.05", "--log_every=10"]
+
+
+def _launch(tmp_path, app_flags, *launch_flags):
+    return [sys.executable, "-m", "tfmp.launch", "--workers=2", *launch_flags, "--",
+            sys.executable, *APP, "--strategy=multi_worker", f"--model_dir={tmp_path / 'run'}", *app_flags]
+
+
+def _env(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
+    return dict(os.environ, TMPDIR=str(scratch), TF_CPP_MIN_LOG_LEVEL="2")
+
+
+def _summaries(output):
+    return {int(m.group(1)): m.group(2) for m in
+            re.finditer(r"\[worker (\d)\] tfmp summary: (.*)", output)}
+
+
+def _digest(summary):
+    return re.search(r"weights ([0-9a-f]{12})", summary).group(1)
+
+
+def _checkpoint_steps(tmp_path):
+    paths = glob.glob(str(tmp_path / "run" / "checkpoints" / "ckpt-*.index"))
+    return sorted(int(re.search(r"ckpt-(\d+)", p).group(1)) for p in paths)
+
+
+def _wait_for_checkpoint(process, tmp_path, at_least=1, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        if len(_checkpoint_steps(tmp_path)) >= at_least:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"no checkpoint appeared (launcher exit {process.poll()})")
+
+
+def _workers_of(process):
+    with open(f"/proc/{process.pid}/task/{process.pid}/children") as children:
+        return [int(pid) for pid in children.read().split()]
+
+
+def test_two_workers_match_one_process_and_only_the_chief_writes(tmp_path):
+    # 20 steps: past ~25 steps at this learning rate, training amplifies float rounding
+    # (measured: losses equal to 6 digits up to step 23, 1e-5 apart from step 24).
+    flags = ["--steps=20", "--steps_per_epoch=20", "--checkpoint_every=5"]
+    result = subprocess.run(_launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True,
+                            capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = _summaries(result.stdout)
+    assert set(summaries) == {0, 1}
+    assert _digest(summaries[0]) == _digest(summaries[1])  # identical weights on both workers
+    assert "2 replica(s) on 2 worker(s), 20 steps (20 applied)" in summaries[0]
+    # Only the chief wrote the model dir; the non-chief's checkpoint copies were temporary.
+    run = tmp_path / "run"
+    assert _checkpoint_steps(tmp_path) == [10, 15, 20]  # --keep_checkpoints=3
+    assert json.load(open(run / "run_card.json"))["replicas"] == "2 (2 worker(s))"
+    assert not os.listdir(tmp_path / "tmp")
+
+    single = run_python([*APP, "--strategy=default", *flags, f"--model_dir={tmp_path / 'single'}"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    multi = keras.models.load_model(run / "model.keras")
+    one = keras.models.load_model(tmp_path / "single" / "model.keras")
+    for a, b in zip(multi.weights, one.weights):
+        # Same global batches; only the summation order of the gradients differs.
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+
+
+def test_killed_worker_restarts_group_from_last_checkpoint(tmp_path):
+    command = _launch(tmp_path, ["--steps=120", "--steps_per_epoch=120", "--checkpoint_every=20"],
+                      "--max_restarts=1")
+    process = subprocess.Popen(command, cwd=ROOT, env=_env(tmp_path), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _wait_for_checkpoint(process, tmp_path)
+    os.kill(_workers_of(process)[1], signal.SIGKILL)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+    assert "[launch] worker 1 exited with -9" in output and "[launch] restart 1/1" in output
+    summaries = _summaries(output)
+    assert _digest(summaries[0]) == _digest(summaries[1])
+    # Resumed from a checkpoint: the step count ends exactly at the plan, every step applied once.
+    assert "120 steps (120 applied)" in summaries[0], summaries[0]
+    resumed_from = json.load(open(tmp_path / "run" / "run_card.json"))["steps"].split("from step ")[1]
+    assert int(resumed_from) in range(20, 120, 20)
+    assert not os.listdir(tmp_path / "tmp")
+
+
+def test_sigterm_on_one_worker_checkpoints_all_and_a_restart_finishes(tmp_path):
+    flags = ["--steps=400", "--steps_per_epoch=400", "--checkpoint_every=100"]
+    process = subprocess.Popen(_launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text()) and time.time() < deadline:
+        time.sleep(0.2)  # training has logged its first steps: now preempt worker 1
+    os.kill(_workers_of(process)[1], signal.SIGTERM)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == EXIT_PREEMPTED, output[-4000:]
+    assert output.count("preempted: SIGTERM on a worker: checkpoint saved at step") == 2, output[-4000:]
+    saved = _checkpoint_steps(tmp_path)
+    assert saved and saved[-1] % 100 != 0, saved  # the preemption checkpoint, between periodic ones
+    restart = subprocess.run(_launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True,
+                             capture_output=True, timeout=600)
+    assert restart.returncode == 0, restart.stdout[-3000:]
+    assert json.load(open(tmp_path / "run" / "run_card.json"))["steps"].endswith(f"from step {saved[-1]}")
+    assert "400 steps (400 applied)" in _summaries(restart.stdout)[0]
+
+
+def test_unreachable_peer_fails_fast_naming_it(tmp_path):
+    own, missing = launch.free_ports(2)
+    tf_config = launch.tf_config([f"localhost:{own}", f"localhost:{missing}"], 0)
+    started = time.time()
+    result = run_python(["-m", "apps.mnist", "--strategy=multi_worker", "--startup_timeout=5",
+                         f"--model_dir={tmp_path / 'run'}"], env={"TF_CONFIG": tf_config}, timeout=120)
+    assert result.returncode == 2
+    assert f"could not reach localhost:{missing} within 5 s" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.time() - started < 60
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("tf_config, message", [
+    ("{oops", "TF_CONFIG is not valid JSON"),
+    ('{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 1}}',
+     "TF_CONFIG task index 1 is out of range for 1 worker"),
+    ('{"cluster": {"chief": ["a:1", "b:2"]}, "task": {"type": "chief", "index": 0}}', "2 chiefs"),
+    ('{"cluster": {"boss": ["a:1"]}, "task": {"type": "boss", "index": 0}}', "unknown task type 'boss'"),
+    ('{"cluster": {"worker": ["a:1"]}}', "TF_CONFIG has no 'task'"),
+])
+def test_malformed_tf_config_is_one_line_exit_2(tf_config, message):
+    result = run_python(["-m", "tfmp.launch", "--", sys.executable, "-m", "apps.mnist"],
+                        env={"TF_CONFIG": tf_config}, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr, result.stderr
