@@ -11,7 +11,7 @@ Ends with one summary line: eval accuracy, examples/s, precision, replicas.
 
 from absl import flags
 
-from apps import common
+from apps import cli, common
 from tfmp.train import train_and_evaluate
 
 flags.FLAGS.set_default("image_size", 32)
@@ -24,4 +24,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

@@ -1,21 +1,18 @@
-"""Flags shared by the training apps, and the error handling every app gets.
+"""Flags shared by the training apps (classify, mnist).
 
 Flags live here and in the apps only; `config_from_flags` turns them into a plain
-`tfmp.train.TrainConfig`, and `run(main)` maps user errors to one line on stderr and exit
-status 2 (3 when training diverged), never a traceback.
+`tfmp.train.TrainConfig`. Error handling is `apps.cli.run`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import warnings
 
-from absl import app, flags
+from absl import flags
 
 from tfmp import distribute, optim, precision
-from tfmp.errors import EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, Preempted, TrainingDiverged, UsageError
+from tfmp.errors import UsageError
 from tfmp.launch import STARTUP_TIMEOUT_ENV
 from tfmp.train import XLA_CHOICES, TrainConfig
 
@@ -84,41 +81,3 @@ def resolved_flags(app_name: str, config: TrainConfig) -> str:
         if value is not None:
             lines.append(f"--{name}={value}")
     return "\n".join(lines) + "\n"
-
-
-def _parse_flags(argv):
-    try:
-        return FLAGS(argv)
-    except flags.Error as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
-def _quiet_tensorflow() -> None:
-    # TF logs every all-reduce it plans at INFO, and tf.data warns about reading options inside
-    # tf.function, which tfmp's eval loop does by design; tfmp's own INFO lines stay.
-    logging.getLogger("tensorflow").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
-
-
-def run(main) -> None:
-    """absl's app.run; user errors are one line and exit 2, divergence 3, preemption 42."""
-
-    def guarded(argv):
-        _quiet_tensorflow()
-        if len(argv) > 1:
-            print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value", file=sys.stderr)
-            sys.exit(EXIT_USAGE)
-        try:
-            main(argv)
-        except UsageError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(EXIT_USAGE)
-        except TrainingDiverged as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(EXIT_DIVERGED)
-        except Preempted as error:
-            print(f"preempted: {error}", file=sys.stderr)
-            sys.exit(EXIT_PREEMPTED)
-
-    app.run(guarded, flags_parser=_parse_flags)

@@ -14,7 +14,7 @@ import os
 import tensorflow as tf
 from absl import flags
 
-from apps import common
+from apps import cli, common
 from tfmp.train import train_and_evaluate
 
 FLAGS = flags.FLAGS
@@ -37,4 +37,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run(main)
+    cli.run(main)

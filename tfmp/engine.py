@@ -68,8 +68,10 @@ class Engine:
             self._train_totals = self._accumulator("train_totals")
             self._eval_totals = self._accumulator("eval_totals")
         self._gradients = tf.function(self._gradients_fn, jit_compile=True) if xla else self._gradients_fn
+        self._forward = tf.function(self._forward_fn, jit_compile=True) if xla else self._forward_fn
         self._train_fn = tf.function(self._train_loop)
         self._eval_fn = tf.function(self._eval_loop)
+        self._infer_fn = tf.function(self._infer_loop)
 
     @staticmethod
     def _accumulator(name: str) -> tf.Variable:
@@ -124,12 +126,20 @@ class Engine:
             images, labels = next(iterator)
             self.strategy.run(self._train_replica_step, args=(images, labels, stop_requested))
 
+    def _forward_fn(self, images):
+        return self.model(images, training=False)
+
     def _eval_replica_step(self, images, labels):
-        probabilities = self.model(images, training=False)
+        probabilities = self._forward(images)
         self._accumulate(self._eval_totals, *self._batch_statistics(labels, probabilities, padded=True))
 
     def _eval_loop(self, distributed_dataset):
         for images, labels in distributed_dataset:
+            self.strategy.run(self._eval_replica_step, args=(images, labels))
+
+    def _infer_loop(self, iterator, num_steps):
+        for _ in tf.range(num_steps):
+            images, labels = next(iterator)
             self.strategy.run(self._eval_replica_step, args=(images, labels))
 
     @staticmethod
@@ -147,6 +157,11 @@ class Engine:
         self._train_fn(iterator, tf.constant(num_steps, tf.int64),
                        tf.constant(float(stop_requested), tf.float32))
         return self._read_and_reset(self._train_totals)
+
+    def infer(self, iterator, num_steps: int) -> Totals:
+        """Forward passes only (inference throughput): `num_steps` batches in one call."""
+        self._infer_fn(iterator, tf.constant(num_steps, tf.int64))
+        return self._read_and_reset(self._eval_totals)
 
     def evaluate(self, distributed_dataset) -> Totals:
         """One pass over a finite distributed dataset whose batches are full (pad with label -1)."""

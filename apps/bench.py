@@ -1,0 +1,74 @@
+"""Measure what each switch buys on this hardware: precision, replicas, workers, XLA.
+
+    python -m apps.bench --flagfile=configs/bench_cpu_quick.cfg          # a few minutes on 2 cores
+    python -m apps.bench --models=resnet50 --precisions=float32,mixed_float16 --replicas=1,8 \\
+        --image_size=224 --global_batch_size=128 --xla=off,on               # a GPU host
+
+Each cell runs in its own process, warm-up excluded, `--repeats` timed repeats (median and
+spread). Prints the table, writes bench.json (every figure, hardware, versions) and bench.png
+into --output_dir. Batch sizes are per 1-replica cell: N replicas or workers get N x the batch
+(weak scaling, as in NVIDIA's tables).
+"""
+
+from absl import flags
+
+from apps import cli
+from tfmp import bench, bench_report
+from tfmp.errors import UsageError
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["seed_cnn"], "Model builders to measure.")
+flags.DEFINE_list("precisions", ["float32", "auto"], "float32, mixed_float16, mixed_bfloat16, auto, mixed.")
+flags.DEFINE_list("replicas", ["1"], "MirroredStrategy replica counts (GPUs, or logical CPUs).")
+flags.DEFINE_list("workers", [], "Local MultiWorkerMirrored worker counts (tfmp.launch, one core/GPU share each).")
+flags.DEFINE_list("xla", ["off"], "XLA settings to measure: off, on.")
+flags.DEFINE_list("tf32", ["on"], "TF32 for float32 cells (Ampere+ GPUs): on, off.")
+flags.DEFINE_list("ratio_models", [], "Scaling (replicas>1, workers) and reference cells only for these models (default: all).")
+flags.DEFINE_string("data", "synthetic", "synthetic (in-memory tensors), builtin (shapes/digits) or tfds:<name>.")
+flags.DEFINE_integer("global_batch_size", 64, "Batch of a 1-replica cell (N replicas: N x).")
+flags.DEFINE_integer("steps_per_execution", 10, "Steps per host call (engine and Keras fit alike).")
+flags.DEFINE_string("mode", "train", "train or inference.")
+flags.DEFINE_integer("image_size", 32, "Image size for shapes/synthetic data.")
+flags.DEFINE_integer("warmup_executions", 3, "Untimed host calls first (tracing, compiling, buffers).")
+flags.DEFINE_integer("executions", 5, "Host calls per timed repeat, at least.")
+flags.DEFINE_float("min_repeat_seconds", 1.5, "A timed repeat lasts at least this long.")
+flags.DEFINE_integer("repeats", 5, "Timed repeats per cell (median and spread).")
+flags.DEFINE_bool("references", True, "Also measure plain Keras fit and synthetic-input references.")
+flags.DEFINE_bool("cache", False, "Cache decoded examples (real-data cells).")
+flags.DEFINE_string("output_dir", "bench", "Where bench.json and bench.png go.")
+
+
+def _integers(name: str) -> list[int]:
+    try:
+        return [int(value) for value in FLAGS[name].value]
+    except ValueError:
+        raise UsageError(f"--{name}={','.join(FLAGS[name].value)} must be whole numbers, e.g. 1,2") from None
+
+
+def _switches(name: str) -> list[bool]:
+    settings = {"off": False, "on": True}
+    for value in FLAGS[name].value:
+        if value not in settings:
+            raise UsageError(f"--{name} value {value!r} must be off or on (e.g. --{name}=off,on)")
+    return [settings[value] for value in FLAGS[name].value]
+
+
+def main(argv):
+    del argv
+    config = bench.BenchConfig(
+        models=FLAGS.models, precisions=FLAGS.precisions, replicas=_integers("replicas"),
+        workers=_integers("workers"), xla=_switches("xla"), tf32=_switches("tf32"),
+        ratio_models=FLAGS.ratio_models, data=FLAGS.data,
+        global_batch_size=FLAGS.global_batch_size, steps_per_execution=FLAGS.steps_per_execution,
+        mode=FLAGS.mode, image_size=FLAGS.image_size, warmup_executions=FLAGS.warmup_executions,
+        executions=FLAGS.executions, min_repeat_seconds=FLAGS.min_repeat_seconds,
+        repeats=FLAGS.repeats, references=FLAGS.references,
+        cache=FLAGS.cache, output_dir=FLAGS.output_dir)
+    report = bench.run(config, progress=lambda line: print(line, flush=True))
+    print()
+    print(bench_report.table(report["cells"], report["ratios"]))
+    print(f"\nwrote {config.output_dir}/bench.json" + (f" and {report['chart']}" if report["chart"] else ""))
+
+
+if __name__ == "__main__":
+    cli.run(main)

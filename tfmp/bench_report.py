@@ -1,0 +1,145 @@
+"""Turning measured bench cells into ratios, a table and a chart (no measuring here).
+
+    ratios = derive(cells)          # also writes cell["derived"] into each cell
+    print(table(cells, ratios))
+    chart(cells, "bench/bench.png")
+
+Every ratio divides two cells of the same run: speedup vs the float32 cell, scaling efficiency
+vs the 1-replica (or 1-worker) cell, tfmp engine vs plain Keras fit, real input vs synthetic
+tensors, achieved model FLOP/s vs the matmul peak of the same precision.
+"""
+
+from __future__ import annotations
+
+
+def _key(cell: dict, **changes) -> tuple:
+    values = dict(cell, **changes)
+    return (values["model"], values["precision"], values.get("tf32", True), values["xla"],
+            values["mode"], values["data"], values["replicas"], values["workers"])
+
+
+def _main_cells(cells: list[dict]) -> list[dict]:
+    return [c for c in cells if c["kind"] == "engine" and not c.get("reference")]
+
+
+def derive(cells: list[dict]) -> dict:
+    peaks = {c["precision"]: c["result"]["peak_flops"] for c in cells if c["kind"] == "peak"}
+    main = {_key(c): c for c in _main_cells(cells)}
+    ratios = {"speedup_vs_float32": [], "scaling_efficiency": [], "flops_fraction_of_peak": [],
+              "engine_vs_keras_fit": [], "input_vs_synthetic": []}
+
+    def throughput(key):
+        return main[key]["result"]["examples_per_sec"] if key in main else None
+
+    for key, cell in main.items():
+        result, derived = cell["result"], {}
+        label = {"model": cell["model"], "precision": cell["precision"], "tf32": cell.get("tf32", True), "xla": cell["xla"],
+                 "replicas": cell["replicas"], "workers": cell["workers"]}
+        if result["policy"] in peaks:
+            derived["flops_fraction_of_peak"] = result["flops_per_sec"] / peaks[result["policy"]]
+            ratios["flops_fraction_of_peak"].append(dict(label, value=derived["flops_fraction_of_peak"]))
+        float32 = throughput(_key(cell, precision="float32", tf32=True))
+        if float32 and cell["precision"] != "float32":
+            derived["speedup_vs_float32"] = result["examples_per_sec"] / float32
+            ratios["speedup_vs_float32"].append(dict(label, value=derived["speedup_vs_float32"]))
+        count = cell["workers"] or cell["replicas"]
+        single = throughput(_key(cell, workers=1) if cell["workers"] else _key(cell, replicas=1))
+        if single and count > 1:
+            derived["scaling_efficiency"] = result["examples_per_sec"] / (count * single)
+            ratios["scaling_efficiency"].append(dict(label, value=derived["scaling_efficiency"]))
+        cell["derived"] = derived
+    for cell in cells:
+        if cell["kind"] == "fit" and throughput(_key(cell)):
+            ratios["engine_vs_keras_fit"].append(dict(
+                model=cell["model"], precision=cell["precision"], xla=cell["xla"],
+                value=throughput(_key(cell)) / cell["result"]["examples_per_sec"]))
+        if cell.get("reference") == "input":
+            real = throughput(_key(cell, data=_real_data(cells, cell)))
+            if real:
+                ratios["input_vs_synthetic"].append(dict(
+                    model=cell["model"], precision=cell["precision"], xla=cell["xla"],
+                    value=real / cell["result"]["examples_per_sec"]))
+    return ratios
+
+
+def _real_data(cells: list[dict], reference: dict) -> str:
+    return next(c["data"] for c in _main_cells(cells) if c["model"] == reference["model"])
+
+
+def _devices(cell: dict) -> str:
+    return f"{cell['workers']}w x 1 core" if cell["workers"] else f"{cell['replicas']} replica(s)"
+
+
+def table(cells: list[dict], ratios: dict) -> str:
+    """NVIDIA-style table of the engine cells, then the peaks and the reference ratios."""
+    header = ("model", "devices", "xla", "precision", "policy", "examples/s", "spread", "per replica",
+              "step ms p50/p90", "TFLOP/s", "% peak", "vs fp32", "scaling", "host MB")
+    rows = []
+    for cell in _main_cells(cells):
+        result, derived = cell["result"], cell.get("derived", {})
+        rows.append((
+            cell["model"], _devices(cell), "on" if cell["xla"] else "off",
+            cell["precision"] + ("" if cell.get("tf32", True) else " (tf32 off)"),
+            result["policy"], f"{result['examples_per_sec']:,.0f}",
+            f"{result['examples_per_sec_min']:,.0f}-{result['examples_per_sec_max']:,.0f}",
+            f"{result['examples_per_sec_per_replica']:,.0f}",
+            f"{1000 * result['step_time_median']:.1f}/{1000 * result['step_time_p90']:.1f}",
+            f"{result['flops_per_sec'] / 1e12:.3f}",
+            _percent(derived.get("flops_fraction_of_peak")),
+            _times(derived.get("speedup_vs_float32")), _percent(derived.get("scaling_efficiency")),
+            f"{result['peak_host_memory_mb']:,.0f}"))
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for cell in cells:
+        if cell["kind"] == "peak":
+            lines.append(f"matmul peak {cell['precision']} ({cell['result']['dtype']}, "
+                         f"{cell['result']['matmul_size']}^2): {cell['result']['peak_flops'] / 1e12:.3f} TFLOP/s")
+    for name, title in (("engine_vs_keras_fit", "tfmp engine / Keras fit"),
+                        ("input_vs_synthetic", "real input / synthetic tensors")):
+        for ratio in ratios[name]:
+            lines.append(f"{title}: {ratio['model']} {ratio['precision']} xla={'on' if ratio['xla'] else 'off'}: "
+                         f"{ratio['value']:.3f}")
+    return "\n".join(lines)
+
+
+def _percent(value):
+    return "" if value is None else f"{100 * value:.1f}%"
+
+
+def _times(value):
+    return "" if value is None else f"{value:.2f}x"
+
+
+def chart(cells: list[dict], path: str) -> str | None:
+    """Bar chart of examples/s per precision and device count, one panel per model."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display on servers
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    main = _main_cells(cells)
+    model_names = list(dict.fromkeys(c["model"] for c in main))
+    figure, axes = plt.subplots(1, len(model_names), figsize=(6 * len(model_names), 4), squeeze=False)
+    for axis, model in zip(axes[0], model_names):
+        mine = [c for c in main if c["model"] == model]
+        groups = list(dict.fromkeys(f"{_devices(c)}{' xla' if c['xla'] else ''}" for c in mine))
+        precisions = list(dict.fromkeys(c["precision"] for c in mine))
+        width = 0.8 / len(precisions)
+        for offset, name in enumerate(precisions):
+            values = []
+            for group in groups:
+                match = [c for c in mine if c["precision"] == name
+                         and f"{_devices(c)}{' xla' if c['xla'] else ''}" == group]
+                values.append(match[0]["result"]["examples_per_sec"] if match else 0)
+            axis.bar([i + offset * width for i in range(len(groups))], values, width, label=name)
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, fontsize=8)
+        axis.set_title(model)
+        axis.set_ylabel("examples/s")
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
