@@ -13,7 +13,6 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from conftest import ROOT
 from tfmp import data, distribute, models, precision
