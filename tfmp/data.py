@@ -330,23 +330,27 @@ def _pipeline(source, policy, input_context, batch_size, *, training, augment, c
     if training:
         dataset = dataset.shuffle(source.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
         dataset = dataset.repeat()
-    # The stream position keys the augmentation, so a resumed run augments identically.
-    dataset = dataset.enumerate()
+    augmenting = training and augment
+    if augmenting:  # the stream position keys the augmentation: a resumed run augments identically
+        dataset = dataset.enumerate()
     if late:
         dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
     if training:
         dataset = dataset.skip(skip_examples)
     seed_tensor = tf.constant(seed, tf.int64)
 
-    def prepare(position, item):
+    def prepare(*element):
+        position, item = element if augmenting else (None, element if len(element) > 1 else element[0])
         if decode:
             item = decode(*item) if isinstance(item, tuple) else decode(item)
         image, label = item
-        if training and augment:
+        if augmenting:
             image = _augment(image, tf.stack([seed_tensor, position]), source.flip_ok)
         return image, label
 
-    dataset = dataset.map(prepare, num_parallel_calls=_AUTOTUNE)
+    # A cached, un-augmented stream is ready as it is: no per-example op left to run.
+    if decode or augmenting:
+        dataset = dataset.map(prepare, num_parallel_calls=_AUTOTUNE)
     if not training:
         dataset = _pad_to_full_batches(dataset, source, input_context, batch_size)
     dataset = dataset.batch(batch_size, drop_remainder=True)
