@@ -24,7 +24,6 @@ import sys
 import time
 
 RESULT_PREFIX = "BENCH_RESULT "
-BUILTIN_FOR_CHANNELS = {1: "digits", 3: "shapes"}
 MNIST_SHAPED = ("mnist_mlp", "lenet")
 
 
