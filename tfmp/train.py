@@ -94,12 +94,29 @@ def _check_positive(**values):
             raise UsageError(f"--{name}={value} must be positive")
 
 
-def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -> dict:
-    """Trains and evaluates per `config`; returns the summary (also printed as one line).
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything decided from the config before any file is written."""
 
-    Raises UsageError for input a user must fix (before anything is written) and
-    TrainingDiverged when the loss becomes non-finite without a loss scaler to skip the step.
-    """
+    strategy: tf.distribute.Strategy
+    topology: distribute.Topology
+    policy: str
+    policy_reason: str
+    warning: str | None
+    loss_scale: str | float | None
+    info: data.DatasetInfo
+    use_xla: bool
+    xla_reason: str
+    per_replica_batch: int
+    steps_per_epoch: int
+    total_steps: int
+    epochs: int
+    learning_rate: float
+    schedule: optim.WarmupSchedule
+
+
+def _plan(config: TrainConfig) -> _Plan:
+    """Validates the config and decides the run; raises UsageError before anything is written."""
     _check_positive(epochs=config.epochs, steps=config.steps, global_batch_size=config.global_batch_size,
                     steps_per_execution=config.steps_per_execution, keep_checkpoints=config.keep_checkpoints,
                     log_every=config.log_every)
@@ -131,21 +148,35 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
     learning_rate = distribute.scale_learning_rate(config.learning_rate, config.global_batch_size,
                                                    config.reference_batch_size, config.lr_scaling)
     schedule = optim.schedule(learning_rate, total_steps, config.warmup_steps, config.lr_decay)
-    if policy_choice.warning:
-        logging.warning("%s", policy_choice.warning)
+    if topology.workers > 1 and not config.model_dir:
+        raise UsageError("multi-worker training needs an explicit --model_dir shared by all workers "
+                         "(they restore from the chief's checkpoints)")
+    return _Plan(strategy, topology, policy, policy_choice.reason, policy_choice.warning, loss_scale,
+                 info, use_xla, xla_reason, per_replica_batch, steps_per_epoch, total_steps, epochs,
+                 learning_rate, schedule)
+
+
+def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -> dict:
+    """Trains and evaluates per `config`; returns the summary (also printed as one line).
+
+    Raises UsageError for input a user must fix (before anything is written) and
+    TrainingDiverged when the loss becomes non-finite without a loss scaler to skip the step.
+    """
+    plan = _plan(config)
+    strategy, topology, policy, info = plan.strategy, plan.topology, plan.policy, plan.info
+    total_steps, steps_per_epoch, schedule = plan.total_steps, plan.steps_per_epoch, plan.schedule
+    if plan.warning:
+        logging.warning("%s", plan.warning)
         if config.verbose and topology.is_chief:
-            print(f"WARNING: {policy_choice.warning}", flush=True)
+            print(f"WARNING: {plan.warning}", flush=True)
 
     keras.utils.set_random_seed(config.seed)
     with strategy.scope():
         model = models.build(config.model, info.image_shape, info.num_classes, dtype=policy)
         # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
         optimizer = precision.wrap_optimizer(
-            optim.build(config.optimizer, schedule, config.weight_decay), policy, loss_scale)
-    if topology.workers > 1 and not config.model_dir:
-        raise UsageError("multi-worker training needs an explicit --model_dir shared by all workers "
-                         "(they restore from the chief's checkpoints)")
-    engine = Engine(strategy, model, optimizer, config.global_batch_size, xla=use_xla)
+            optim.build(config.optimizer, plan.schedule, config.weight_decay), policy, plan.loss_scale)
+    engine = Engine(strategy, model, optimizer, config.global_batch_size, xla=plan.use_xla)
     dynamic_scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
     # Validation is over: from here on the run writes files.
@@ -185,7 +216,7 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
         "model": f"{config.model} ({model.count_params():,} parameters)",
         "dataset": f"{config.dataset} {info.image_shape}, {info.num_classes} classes, "
                    f"{info.train_examples} train / {info.eval_examples} eval",
-        "precision": f"{policy} ({policy_choice.reason})",
+        "precision": f"{policy} ({plan.policy_reason})",
         "compute dtype": keras.DTypePolicy(policy).compute_dtype,
         "variable dtype": keras.DTypePolicy(policy).variable_dtype,
         "head dtype": model.layers[-1].dtype_policy.compute_dtype,
@@ -195,13 +226,13 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
         "replicas": f"{topology.replicas} ({topology.workers} worker(s))",
         "devices": ", ".join(topology.devices),
         "global batch": config.global_batch_size,
-        "per-replica batch": per_replica_batch,
-        "learning rate": f"{learning_rate:g} ({config.optimizer}, base {config.learning_rate:g}, "
+        "per-replica batch": plan.per_replica_batch,
+        "learning rate": f"{plan.learning_rate:g} ({config.optimizer}, base {config.learning_rate:g}, "
                          f"scaling {config.lr_scaling} vs batch {config.reference_batch_size}, "
                          f"warmup {config.warmup_steps}, decay {config.lr_decay})",
-        "steps": f"{total_steps} ({epochs} epoch(s) x {steps_per_epoch}), from step {start_step}",
+        "steps": f"{total_steps} ({plan.epochs} epoch(s) x {steps_per_epoch}), from step {start_step}",
         "steps per execution": config.steps_per_execution,
-        "xla": f"{'on' if use_xla else 'off'} ({xla_reason}; forward+backward compiled per replica)",
+        "xla": f"{'on' if plan.use_xla else 'off'} ({plan.xla_reason}; forward+backward compiled per replica)",
         "shard policy": ", ".join(sorted(set(shard_policies))) or "n/a",
         "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
         "model dir": os.path.abspath(model_dir),
@@ -216,7 +247,7 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
             epoch = step // steps_per_epoch
             epoch_start = epoch * steps_per_epoch
             epoch_end = min(epoch_start + steps_per_epoch, total_steps)
-            reporter.start_epoch(epoch + 1, epochs, epoch_end - epoch_start)
+            reporter.start_epoch(epoch + 1, plan.epochs, epoch_end - epoch_start)
             log_loss = log_examples = log_correct = log_seen = 0.0
             log_started, log_step = time.perf_counter(), step
             while step < epoch_end:
