@@ -42,13 +42,13 @@ def main():
             engine = Engine(strategy, model, optimizer, GLOBAL_BATCH, xla=xla)
             totals = engine.train(iter(train), STEPS)
             evaluated = engine.evaluate(evaluation)
-            weights = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
+            weights = _weights(model)
             print(json.dumps({
                 "policy": policy, "xla": xla, "workers": topology.workers,
                 "replicas": strategy.num_replicas_in_sync, "chief": topology.is_chief,
                 "loss": totals.loss, "examples": totals.examples, "eval_examples": evaluated.examples,
                 "finite": bool(np.isfinite(weights).all()),
-                "checksum": hashlib.sha256(weights.tobytes()).hexdigest()}), flush=True)
+                "checksum": _digest(weights)}), flush=True)
     overflow_on_worker_1(strategy)
 
 
@@ -66,15 +66,18 @@ def overflow_on_worker_1(strategy):
         model = models.build("lenet", (28, 28, 1), 10, dtype="mixed_float16")
         optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), "mixed_float16", "dynamic")
     engine = Engine(strategy, model, optimizer, GLOBAL_BATCH)
-    before = _digest(model)
+    before = _digest(_weights(model))
     totals = engine.train(iter(strategy.distribute_datasets_from_function(poisoned)), 1)
-    print(json.dumps({"overflow": True, "unchanged": _digest(model) == before,
+    print(json.dumps({"overflow": True, "unchanged": _digest(_weights(model)) == before,
                       "nonfinite_steps": totals.nonfinite_steps,
                       "loss_scale": precision.current_loss_scale(optimizer)}), flush=True)
 
 
-def _digest(model):
-    weights = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
+def _weights(model):
+    return np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
+
+
+def _digest(weights):
     return hashlib.sha256(weights.tobytes()).hexdigest()
 
 

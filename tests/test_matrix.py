@@ -6,7 +6,6 @@ multi-worker column runs two real worker processes on localhost ports.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from tfmp import data, distribute, models, precision
+from tfmp import data, distribute, launch, models, precision
 from tfmp.engine import Engine
 
 GLOBAL_BATCH = 16
@@ -48,21 +47,11 @@ def test_single_process_cell_trains(strategies, strategy_name, policy, xla):
         assert np.isfinite(weight.numpy()).all()
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("localhost", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 @pytest.mark.slow
 def test_multi_worker_cells_train_and_agree():
     """2 workers x every precision x XLA off/on: same weights on both workers, full batches;
     and a float16 overflow on worker 1 alone skips the step on both."""
-    workers = [f"localhost:{port}" for port in _free_ports(2)]
+    workers = [f"localhost:{port}" for port in launch.free_ports(2)]
     processes = []
     for index in range(2):
         tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})

@@ -217,7 +217,7 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
         "dataset": f"{config.dataset} {info.image_shape}, {info.num_classes} classes, "
                    f"{info.train_examples} train / {info.eval_examples} eval",
         "precision": f"{policy} ({plan.policy_reason})",
-        "compute dtype": keras.DTypePolicy(policy).compute_dtype,
+        "compute dtype": precision.compute_dtype(policy),
         "variable dtype": keras.DTypePolicy(policy).variable_dtype,
         "head dtype": model.layers[-1].dtype_policy.compute_dtype,
         "output dtype": model.output.dtype,
