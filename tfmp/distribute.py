@@ -156,3 +156,25 @@ def scale_learning_rate(learning_rate: float, global_batch_size: int, reference_
         raise UsageError(f"reference batch {reference_batch_size} must be positive")
     ratio = global_batch_size / reference_batch_size
     return learning_rate * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+
+
+def global_sum(value):
+    """Sum of `value` over every replica and worker, for losses that normalise by a batch count.
+
+    A detector divides its loss by the number of positive anchors. Each replica only sees its
+    own share of the global batch, so dividing by the local count would weight replicas
+    unequally; dividing by the *global* count makes the summed gradients of N replicas equal
+    the single-device gradient of the global batch:
+
+        num_positives = distribute.global_sum(tf.reduce_sum(positive_mask))
+        return tf.reduce_sum(per_anchor_loss) / tf.maximum(num_positives, 1.0)
+
+    Call it inside a replica's step (a loss called by tfmp's engine); outside a strategy, or with
+    one replica, it returns `value`. Give such a loss `reduction="sum"`, so Keras does not divide
+    it by the number of replicas a second time. The engine computes the loss outside the XLA
+    cluster, so this collective works with `--xla=on` too.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
