@@ -65,6 +65,12 @@ class DatasetInfo:
     num_classes: int
     train_examples: int  # 0 when unknown (a TFDS dataset whose split sizes TFDS doesn't know)
     eval_examples: int
+    class_names: tuple[str, ...] | None = None  # label index -> name, where the dataset has names
+
+
+SHAPES_CLASS_NAMES = ("circle", "square", "triangle", "diamond", "plus", "ring", "horizontal_bar",
+                      "vertical_bar", "ellipse", "x")  # the order of drawing.draw_shape's classes
+DIGITS_CLASS_NAMES = tuple(str(digit) for digit in range(10))
 
 
 @dataclasses.dataclass
@@ -128,7 +134,8 @@ def _builtin_source(spec, kind, split, size):
         shape, draw = (size or 28, size or 28, 1), drawing.draw_digit
     else:
         shape, draw = (size, size, 3), drawing.draw_shape
-    info = DatasetInfo(spec, shape, 10, *counts)
+    names = {"shapes": SHAPES_CLASS_NAMES, "digits": DIGITS_CLASS_NAMES}.get(kind)
+    info = DatasetInfo(spec, shape, 10, *counts, class_names=names)
     split_id = SPLITS.index(split)
     num_examples = counts[split_id]
 
@@ -197,7 +204,8 @@ def _tfds_source(spec, name, split, size, data_dir):
         return image, tf.cast(label, tf.int32)
 
     channels = native_shape[2] or 3
-    info = DatasetInfo(spec, (height, width, channels), features[label_key].num_classes, *counts)
+    info = DatasetInfo(spec, (height, width, channels), features[label_key].num_classes, *counts,
+                       class_names=tuple(features[label_key].names))
     num_examples = counts[SPLITS.index(split)]
     num_files = split_infos[SPLITS.index(split)].num_shards if splits else 0
     buffer = min(num_examples or TFDS_SHUFFLE_BUFFER, TFDS_SHUFFLE_BUFFER)
@@ -233,7 +241,8 @@ def _folder_source(spec, path, split, size):
     if not train:
         raise UsageError(f"dataset folder {path!r} has no images in class sub-folders "
                          f"(expected {path}/<class>/*.png|jpg|bmp|gif)")
-    info = DatasetInfo(spec, (size, size, 3), len(classes), len(train), len(evaluation))
+    info = DatasetInfo(spec, (size, size, 3), len(classes), len(train), len(evaluation),
+                       class_names=tuple(classes))
     chosen = train if split == "train" else evaluation
     if not chosen:
         raise UsageError(f"dataset folder {path!r} has no {split} images (the hold-out takes "
