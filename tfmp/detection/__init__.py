@@ -1,0 +1,1 @@
+"""Object detection for tfmp: anchors and matching, data, losses, COCO evaluation, drawing."""
