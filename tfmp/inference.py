@@ -1,0 +1,260 @@
+"""Load any tfmp model artifact, preprocess images as training did, and predict.
+
+    from tfmp import inference
+    predictor = inference.load("runs/x")          # a run dir, an export dir, a SavedModel dir,
+                                                  # a .tflite or a .keras file
+    images = inference.read_images(["cat.png"], predictor.preprocessing)
+    probabilities = predictor.predict(images)     # float32 (N, classes)
+    print(inference.top_k(probabilities[0], 5, predictor.class_names))
+
+Preprocessing is the one of `tfmp.data`'s image folders: decode, float32 in [0, 1], bilinear
+resize with antialiasing to the model's input size, clip to [0, 1]. The size and channels come
+from the model's input; class names from the export's `export.json`, or, for a run dir, from the
+dataset named in its `flags.txt` (resolved flags written by training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from tfmp.errors import UsageError
+
+RUN_MODEL_FILE, RUN_FLAGS_FILE, RUN_CARD_FILE = "model.keras", "flags.txt", "run_card.json"
+METADATA_FILE = "export.json"  # = tfmp.export.METADATA_FILE (kept here so loading stays light)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+    """How an image file becomes a model input."""
+
+    height: int
+    width: int
+    channels: int
+
+    def to_json(self) -> dict:
+        return {"image_shape": [self.height, self.width, self.channels], "dtype": "float32",
+                "value_range": [0.0, 1.0], "resize": "bilinear, antialias, clipped to [0, 1]"}
+
+    @classmethod
+    def from_shape(cls, shape) -> Preprocessing:
+        height, width, channels = (int(size) for size in shape)
+        return cls(height, width, channels)
+
+
+def read_images(paths, preprocessing: Preprocessing) -> np.ndarray:
+    """Decodes and resizes every file; a file that is missing or not an image is a UsageError
+    (checked for all files before anything is predicted)."""
+    images = []
+    for path in paths:
+        try:
+            raw = tf.io.decode_image(tf.io.read_file(path), channels=preprocessing.channels,
+                                     expand_animations=False)
+        except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError, ValueError) as error:
+            reason = "no such file" if isinstance(error, tf.errors.NotFoundError) else "not a decodable image"
+            raise UsageError(f"image {path!r}: {reason}; give jpg, png, bmp or gif files") from None
+        image = tf.image.resize(tf.image.convert_image_dtype(raw, tf.float32),
+                                (preprocessing.height, preprocessing.width), antialias=True)
+        images.append(tf.clip_by_value(image, 0.0, 1.0).numpy())
+    return np.stack(images) if images else np.zeros((0, preprocessing.height, preprocessing.width,
+                                                     preprocessing.channels), np.float32)
+
+
+def top_k(probabilities: np.ndarray, k: int, class_names=None) -> list[dict]:
+    """[{"class": index, "name": name (if known), "probability": p}, ...], most probable first."""
+    order = np.argsort(-probabilities, kind="stable")[:k]
+    result = []
+    for index in order:
+        entry = {"class": int(index)}
+        if class_names and int(index) < len(class_names):
+            entry["name"] = class_names[int(index)]
+        entry["probability"] = round(float(probabilities[index]), 6)
+        result.append(entry)
+    return result
+
+
+# ----------------------------------------------------------------------------- predictors
+class Predictor:
+    """A loaded artifact: `predict(float32 NHWC images) -> float32 probabilities`."""
+
+    format = "?"
+
+    def __init__(self, path: str, metadata: dict):
+        self.path = path
+        self.metadata = metadata
+        self.class_names = tuple(metadata["class_names"]) if metadata.get("class_names") else None
+        self.preprocessing = Preprocessing.from_shape(self.input_shape())
+
+    def input_shape(self) -> tuple[int, int, int]:
+        raise NotImplementedError
+
+    def predict(self, images: np.ndarray, batch_size: int = 64) -> np.ndarray:
+        outputs = [self.predict_batch(np.asarray(images[start:start + batch_size], np.float32))
+                   for start in range(0, len(images), batch_size)]
+        return np.concatenate(outputs) if outputs else np.zeros((0, 0), np.float32)
+
+    def predict_batch(self, images: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+class KerasPredictor(Predictor):
+    format = "keras"
+
+    def __init__(self, path, metadata, model=None):
+        import keras
+
+        from tfmp import export, models, precision  # noqa: F401  (register tfmp layers)
+
+        if model is None:
+            try:
+                model = keras.saving.load_model(path, compile=False)
+            except Exception as error:  # a corrupt or foreign file: say which, not a traceback
+                raise UsageError(f"cannot load Keras model {path!r}: {str(error).splitlines()[0]}") from None
+        self.model = model
+        self._call = tf.function(lambda images: model(images, training=False))
+        super().__init__(path, metadata)
+
+    def input_shape(self):
+        return tuple(self.model.input.shape[1:])
+
+    def predict_batch(self, images):
+        return np.asarray(tf.cast(self._call(tf.constant(images)), tf.float32))
+
+
+class SavedModelPredictor(Predictor):
+    format = "saved_model"
+
+    def __init__(self, path, metadata):
+        try:
+            self.loaded = tf.saved_model.load(path)
+        except (OSError, ValueError, tf.errors.OpError) as error:
+            raise UsageError(f"cannot load SavedModel {path!r}: {str(error).splitlines()[0]}") from None
+        if "serving_default" not in self.loaded.signatures:
+            raise UsageError(f"SavedModel {path!r} has no serving_default signature")
+        self.serve = self.loaded.signatures["serving_default"]
+        self.input_name = next(iter(self.serve.structured_input_signature[1]))
+        super().__init__(path, metadata)
+
+    def input_shape(self):
+        return tuple(self.serve.structured_input_signature[1][self.input_name].shape[1:])
+
+    def predict_batch(self, images):
+        outputs = self.serve(**{self.input_name: tf.constant(images)})
+        return np.asarray(outputs["probabilities"] if "probabilities" in outputs
+                          else next(iter(outputs.values())))
+
+
+def tflite_interpreter_class():
+    """LiteRT's interpreter (the `litert` extra) if installed, else the deprecated tf.lite one."""
+    try:
+        from ai_edge_litert.interpreter import Interpreter
+    except ImportError:
+        Interpreter = tf.lite.Interpreter
+    return Interpreter
+
+
+class TFLitePredictor(Predictor):
+    format = "tflite"
+
+    def __init__(self, path, metadata, num_threads: int | None = None):
+        try:
+            self.interpreter = tflite_interpreter_class()(model_path=path,
+                                                          num_threads=num_threads or os.cpu_count())
+            self.interpreter.allocate_tensors()
+        except (ValueError, RuntimeError) as error:
+            raise UsageError(f"cannot load TFLite model {path!r}: {str(error).splitlines()[0]}") from None
+        self.input_detail = self.interpreter.get_input_details()[0]
+        self.output_index = self.interpreter.get_output_details()[0]["index"]
+        self.batch = int(self.input_detail["shape"][0])
+        super().__init__(path, metadata)
+
+    def input_shape(self):
+        return tuple(int(size) for size in self.input_detail["shape_signature"][1:])
+
+    def predict_batch(self, images):
+        if len(images) != self.batch:  # resizing re-plans the tensors: only when the batch changes
+            self.interpreter.resize_tensor_input(self.input_detail["index"], list(images.shape))
+            self.interpreter.allocate_tensors()
+            self.batch = len(images)
+        self.interpreter.set_tensor(self.input_detail["index"], images)
+        self.interpreter.invoke()
+        return self.interpreter.get_tensor(self.output_index).copy()
+
+
+# ----------------------------------------------------------------------------- finding artifacts
+def read_run_flags(run_dir: str) -> dict:
+    """The resolved training flags of a run (`--name=value` lines of flags.txt) as a dict."""
+    flags = {}
+    path = os.path.join(run_dir, RUN_FLAGS_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as file:
+            for line in file:
+                name, equals, value = line.strip().partition("=")
+                if name.startswith("--") and equals:
+                    flags[name[2:]] = value
+    return flags
+
+
+def run_metadata(run_dir: str) -> dict:
+    """Dataset, model and class names of a training run dir (what export.json carries)."""
+    flags = read_run_flags(run_dir)
+    dataset = flags.get("dataset")
+    if dataset is None and os.path.isfile(os.path.join(run_dir, RUN_CARD_FILE)):
+        with open(os.path.join(run_dir, RUN_CARD_FILE), encoding="utf-8") as file:
+            dataset = str(json.load(file).get("dataset", "")).split(" ")[0] or None
+    image_size = flags.get("image_size")
+    metadata = {"model": flags.get("model"), "dataset": dataset, "data_dir": flags.get("data_dir"),
+                "image_size": int(image_size) if image_size and image_size.isdigit() else None,
+                "class_names": None}
+    if dataset:
+        from tfmp import data
+
+        try:  # names need the dataset's description only (a folder listing, TFDS metadata)
+            info = data.describe(dataset, image_size=metadata["image_size"], data_dir=metadata["data_dir"])
+            metadata["class_names"] = list(info.class_names) if info.class_names else None
+        except Exception:  # the data moved or TFDS is missing: predict without names
+            pass
+    return metadata
+
+
+def _export_metadata(directory: str) -> dict | None:
+    path = os.path.join(directory, METADATA_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as file:
+        return json.load(file)
+
+
+def load(path: str) -> Predictor:
+    """Loads a run dir, an export dir (`export.json`), a SavedModel dir, a .tflite or a .keras."""
+    path = os.path.normpath(os.path.expanduser(path))
+    if os.path.isfile(path):
+        directory = os.path.dirname(path)
+        metadata = _export_metadata(directory)
+        if metadata is None and os.path.isfile(os.path.join(directory, RUN_FLAGS_FILE)):
+            metadata = run_metadata(directory)
+        if path.endswith(".tflite"):
+            return TFLitePredictor(path, metadata or {})
+        if path.endswith(".keras"):
+            return KerasPredictor(path, metadata or {})
+        raise UsageError(f"--model={path} is a file but neither .tflite nor .keras")
+    if not os.path.isdir(path):
+        raise UsageError(f"--model={path} does not exist; give a run dir, an export dir, a "
+                         "SavedModel dir, a .tflite or a .keras file")
+    if os.path.isfile(os.path.join(path, "saved_model.pb")):
+        metadata = _export_metadata(path) or _export_metadata(os.path.dirname(path)) or {}
+        return SavedModelPredictor(path, metadata)
+    metadata = _export_metadata(path)
+    if metadata is not None:  # an export dir: the SavedModel serves best, then .keras, .tflite
+        for name, predictor in (("saved_model", SavedModelPredictor), ("model.keras", KerasPredictor),
+                                ("model.tflite", TFLitePredictor)):
+            if os.path.exists(os.path.join(path, name)):
+                return predictor(os.path.join(path, name), metadata)
+    if os.path.isfile(os.path.join(path, RUN_MODEL_FILE)):
+        return KerasPredictor(os.path.join(path, RUN_MODEL_FILE), run_metadata(path))
+    raise UsageError(f"--model={path} holds no model (no {RUN_MODEL_FILE}, saved_model.pb or "
+                     f"{METADATA_FILE}); train first or point at an export")
