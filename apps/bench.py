@@ -1,6 +1,7 @@
 """Measure what each switch buys on this hardware: precision, replicas, workers, XLA.
 
     python -m apps.bench --flagfile=configs/bench_cpu_quick.cfg          # a few minutes on 2 cores
+    python -m apps.bench --mode=inference --models=seed_cnn,resnet20 --precisions=float32,bfloat16,float16
     python -m apps.bench --models=resnet50 --precisions=float32,mixed_float16 --replicas=1,8 \\
         --image_size=224 --global_batch_size=128 --xla=off,on               # a GPU host
 
@@ -8,12 +9,16 @@ Each cell runs in its own process, warm-up excluded, `--repeats` timed repeats (
 spread). Prints the table, writes bench.json (every figure, hardware, versions) and bench.png
 into --output_dir. Batch sizes are per 1-replica cell: N replicas or workers get N x the batch
 (weak scaling, as in NVIDIA's tables).
+
+--mode=inference exports each model in each --precisions (float32, float16, bfloat16, mixed,
+auto) as --export_formats and times every artifact next to the Keras model in float32: batch-1
+latency p50/p99, throughput at --global_batch_size, size on disk (`tfmp.bench_inference`).
 """
 
-from absl import flags
+from absl import flags, logging
 
 from apps import cli
-from tfmp import bench, bench_report
+from tfmp import bench, bench_inference, bench_report
 from tfmp.errors import UsageError
 
 FLAGS = flags.FLAGS
@@ -27,7 +32,8 @@ flags.DEFINE_list("ratio_models", [], "Scaling (replicas>1, workers) and referen
 flags.DEFINE_string("data", "synthetic", "synthetic (in-memory tensors), builtin (shapes/digits) or tfds:<name>.")
 flags.DEFINE_integer("global_batch_size", 64, "Batch of a 1-replica cell (N replicas: N x).")
 flags.DEFINE_integer("steps_per_execution", 10, "Steps per host call (engine and Keras fit alike).")
-flags.DEFINE_string("mode", "train", "train or inference.")
+flags.DEFINE_string("mode", "train", "train, or inference (exported artifacts, tfmp.bench_inference).")
+flags.DEFINE_list("export_formats", ["saved_model", "tflite", "keras"], "--mode=inference: formats to time.")
 flags.DEFINE_integer("image_size", 32, "Image size for shapes/synthetic data.")
 flags.DEFINE_integer("warmup_executions", 3, "Untimed host calls first (tracing, compiling, buffers).")
 flags.DEFINE_integer("executions", 5, "Host calls per timed repeat, at least.")
@@ -53,8 +59,22 @@ def _switches(name: str) -> list[bool]:
     return [settings[value] for value in FLAGS[name].value]
 
 
+def _inference_main():
+    logging.set_verbosity(logging.WARNING)  # TensorFlow's saver chatter from the exports
+    config = bench_inference.InferenceBenchConfig(
+        models=FLAGS.models, precisions=FLAGS.precisions, formats=FLAGS.export_formats,
+        image_size=FLAGS.image_size, batch_size=FLAGS.global_batch_size, repeats=FLAGS.repeats,
+        min_repeat_seconds=FLAGS.min_repeat_seconds, output_dir=FLAGS.output_dir)
+    report = bench_inference.run(config, progress=lambda line: print(line, flush=True))
+    print()
+    print(bench_inference.table(report))
+    print(f"\nwrote {config.output_dir}/inference_bench.json")
+
+
 def main(argv):
     del argv
+    if FLAGS.mode == "inference":
+        return _inference_main()
     config = bench.BenchConfig(
         models=FLAGS.models, precisions=FLAGS.precisions, replicas=_integers("replicas"),
         workers=_integers("workers"), xla=_switches("xla"), tf32=_switches("tf32"),
