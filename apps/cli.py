@@ -14,6 +14,7 @@ import sys
 import warnings
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 from tfmp.errors import EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, Preempted, TrainingDiverged, UsageError
 
@@ -29,8 +30,12 @@ def _parse_flags(argv):
 
 
 def _quiet_tensorflow() -> None:
-    # TF logs every all-reduce it plans at INFO, and tf.data warns about reading options inside
-    # tf.function, which tfmp's eval loop does by design; tfmp's own INFO lines stay.
+    # TF logs every all-reduce it plans and every checkpoint shard it writes at INFO (some of it
+    # through absl, e.g. functional_saver's "Sharding callback duration"), and tf.data warns
+    # about reading options inside tf.function, which tfmp's eval loop does by design. An app
+    # shows tfmp's own lines; --verbosity=0 (absl's flag) brings the INFO lines back.
+    if not FLAGS["verbosity"].present:
+        absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
 

@@ -5,8 +5,10 @@
     python -m apps.mnist --flagfile=configs/mnist_two_replicas.cfg
 
 By default every local GPU is a replica; without GPUs the CPU is split into one logical device
-per core, so the same MirroredStrategy code runs (and is tested) anywhere. The model is
-evaluated on the validation split after every epoch.
+per core, so the same MirroredStrategy code runs (and is tested) anywhere. Started by the
+launcher (`python -m tfmp.launch --workers=2 -- python -m apps.mnist`, a TF_CONFIG of several
+tasks) it trains multi-worker instead, with no extra flags. The model is evaluated on the
+validation split after every epoch.
 """
 
 import os
@@ -15,6 +17,7 @@ import tensorflow as tf
 from absl import flags
 
 from apps import cli, common
+from tfmp.cluster import parse_tf_config
 from tfmp.train import train_and_evaluate
 
 FLAGS = flags.FLAGS
@@ -26,13 +29,16 @@ FLAGS.set_default("global_batch_size", 128)
 
 def main(argv):
     del argv
-    cpu_replicas = FLAGS.cpu_replicas
-    if (FLAGS.strategy == "mirrored" and not FLAGS["cpu_replicas"].present
+    cpu_replicas, strategy = FLAGS.cpu_replicas, FLAGS.strategy
+    cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+    if not FLAGS["strategy"].present and cluster is not None and cluster.num_workers > 1:
+        strategy = "multi_worker"  # the default MirroredStrategy would train each worker alone
+    if (strategy == "mirrored" and not FLAGS["cpu_replicas"].present
             and not tf.config.list_physical_devices("GPU")):
         # One logical device per core, as many as split the global batch evenly.
         cpu_replicas = max(n for n in range(1, (os.cpu_count() or 1) + 1)
                            if FLAGS.global_batch_size % n == 0)
-    config = common.config_from_flags(cpu_replicas=cpu_replicas)
+    config = common.config_from_flags(cpu_replicas=cpu_replicas, strategy=strategy)
     train_and_evaluate(config, resolved_flags=common.resolved_flags("mnist", config))
 
 

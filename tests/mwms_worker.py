@@ -18,9 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 from tfmp import data, distribute, models, precision  # noqa: E402
 from tfmp.engine import Engine  # noqa: E402
+from tfmp.train import compile_classifier  # noqa: E402
 
 GLOBAL_BATCH = 32
 STEPS = 3
@@ -32,21 +34,25 @@ def main():
     train = strategy.distribute_datasets_from_function(
         lambda context: data.load("digits", "train", GLOBAL_BATCH, input_context=context)[0])
     evaluation = strategy.distribute_datasets_from_function(
-        lambda context: data.load("digits", "eval", GLOBAL_BATCH, input_context=context, training=False)[0])
+        lambda context: data.load("digits", "eval", GLOBAL_BATCH, input_context=context, training=False)[0]
+        .map(lambda images, labels: (images, tf.maximum(labels, 0), tf.cast(labels >= 0, tf.float32),
+                                     tf.cast(labels >= 0, tf.float32))))
     for policy in precision.POLICIES:
         for xla in (False, True):
             keras.utils.set_random_seed(0)
             with strategy.scope():
                 model = models.build("lenet", (28, 28, 1), 10, dtype=policy)
                 optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), policy, "auto")
-            engine = Engine(strategy, model, optimizer, GLOBAL_BATCH, xla=xla)
-            totals = engine.train(iter(train), STEPS)
+            compile_classifier(model, optimizer, strategy)
+            engine = Engine(strategy, model, optimizer, xla=xla)
+            trained = engine.train(iter(train), STEPS)
             evaluated = engine.evaluate(evaluation)
             weights = _weights(model)
             print(json.dumps({
                 "policy": policy, "xla": xla, "workers": topology.workers,
                 "replicas": strategy.num_replicas_in_sync, "chief": topology.is_chief,
-                "loss": totals.loss, "examples": totals.examples, "eval_examples": evaluated.examples,
+                "loss": trained.metrics["loss"], "eval_accuracy": evaluated["accuracy"],
+                "local_eval_accuracy": _local_accuracy(model),
                 "finite": bool(np.isfinite(weights).all()),
                 "checksum": _digest(weights)}), flush=True)
     overflow_on_worker_1(strategy)
@@ -65,12 +71,25 @@ def overflow_on_worker_1(strategy):
     with strategy.scope():
         model = models.build("lenet", (28, 28, 1), 10, dtype="mixed_float16")
         optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), "mixed_float16", "dynamic")
-    engine = Engine(strategy, model, optimizer, GLOBAL_BATCH)
+    compile_classifier(model, optimizer, strategy)
+    engine = Engine(strategy, model, optimizer)
     before = _digest(_weights(model))
     totals = engine.train(iter(strategy.distribute_datasets_from_function(poisoned)), 1)
     print(json.dumps({"overflow": True, "unchanged": _digest(_weights(model)) == before,
                       "nonfinite_steps": totals.nonfinite_steps,
                       "loss_scale": precision.current_loss_scale(optimizer)}), flush=True)
+
+
+def _local_accuracy(model):
+    """Accuracy over the whole eval split computed by this worker alone, for comparison."""
+    correct = total = 0
+    for images, labels in data.load("digits", "eval", 500, training=False)[0]:
+        valid = labels.numpy() >= 0
+        predictions = np.argmax(model.predict_on_batch(images), -1)
+        correct += int(((predictions == labels.numpy()) & valid).sum())
+        total += int(valid.sum())
+    assert total == data.DIGITS_EVAL_EXAMPLES
+    return correct / total
 
 
 def _weights(model):

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfmp import models, precision
 from tfmp.engine import Engine
+from tfmp.train import compile_classifier
 
 GLOBAL_BATCH = 16
 SHAPE = (16, 16, 1)
@@ -36,7 +37,8 @@ def _engine(strategy, policy="float32", xla=False, loss_scale="auto", learning_r
         model = models.build("lenet", SHAPE, 10, dtype=policy)
         optimizer = precision.wrap_optimizer(keras.optimizers.SGD(learning_rate), policy, loss_scale,
                                              initial_scale=1024.0)
-    return Engine(strategy, model, optimizer, GLOBAL_BATCH, xla=xla)
+    compile_classifier(model, optimizer, strategy)
+    return Engine(strategy, model, optimizer, xla=xla)
 
 
 def _weights(model):
@@ -58,9 +60,8 @@ def test_two_replicas_match_one_device(mirrored):
     results = []
     for strategy in (tf.distribute.OneDeviceStrategy("/cpu:0"), mirrored):
         engine = _engine(strategy)
-        totals = engine.train(iter(_distributed(strategy, images, labels)), 5)
-        assert totals.examples == 5 * GLOBAL_BATCH
-        results.append((_weights(engine.model), totals.loss))
+        result = engine.train(iter(_distributed(strategy, images, labels)), 5)
+        results.append((_weights(engine.model), result.metrics["loss"]))
     (single, single_loss), (replicated, replicated_loss) = results
     for one, two in zip(single, replicated):
         # float32 sums in a different order: agreement to ~1e-6, tolerance 1e-5.
@@ -87,8 +88,8 @@ def test_overflow_on_one_replica_skips_the_step_on_all(mirrored, poisoned_replic
     images, labels = _data(poison=rows)
     engine = _engine(mirrored, "mixed_float16")
     before = _weights(engine.model)
-    totals = engine.train(iter(_distributed(mirrored, images, labels)), 1)
-    assert totals.nonfinite_steps == 1
+    result = engine.train(iter(_distributed(mirrored, images, labels)), 1)
+    assert result.nonfinite_steps == 1
     for variable, start in zip(_replica_copies(engine.model), before):
         for copy in variable:
             assert np.isfinite(copy).all()
@@ -115,16 +116,16 @@ def test_fit_with_tfmp_loss_scaler_also_skips_replica_1_overflow(mirrored):
 
 def test_float32_overflow_is_counted_for_the_stop_decision(mirrored):
     images, labels = _data(poison=slice(0, 1))
-    totals = _engine(mirrored).train(iter(_distributed(mirrored, images, labels)), 1)
-    assert totals.nonfinite_steps == 1
+    result = _engine(mirrored).train(iter(_distributed(mirrored, images, labels)), 1)
+    assert result.nonfinite_steps == 1
 
 
 @pytest.mark.parametrize("policy", precision.POLICIES)
 def test_xla_under_mirrored_trains_every_policy(mirrored, policy):
     images, labels = _data()
     engine = _engine(mirrored, policy, xla=True)
-    totals = engine.train(iter(_distributed(mirrored, images, labels)), 2)
-    assert np.isfinite(totals.loss) and totals.nonfinite_steps == 0
+    result = engine.train(iter(_distributed(mirrored, images, labels)), 2)
+    assert np.isfinite(result.metrics["loss"]) and result.nonfinite_steps == 0
     for variable in _replica_copies(engine.model):
         for copy in variable[1:]:
             np.testing.assert_array_equal(copy, variable[0])  # replicas stay identical
@@ -142,11 +143,25 @@ def test_xla_matches_no_xla(mirrored):
 def test_evaluate_counts_every_example_once_and_ignores_padding(mirrored):
     images, labels = _data()
     engine = _engine(mirrored)
-    padded_labels = np.concatenate([labels[:50], np.full(14, -1, np.int32)])  # 64 = 4 full batches
-    totals = engine.evaluate(_distributed(mirrored, images, padded_labels, repeat=False))
-    assert totals.examples == 50 and totals.loss_examples == 50
+    valid = np.concatenate([np.ones(50, np.float32), np.zeros(14, np.float32)])  # 64 = 4 full batches
+    padded = tf.data.Dataset.from_tensor_slices((images, np.where(valid > 0, labels, 0), valid, valid))
+    results = engine.evaluate(mirrored.experimental_distribute_dataset(padded.batch(GLOBAL_BATCH)))
     probabilities = engine.model.predict(images[:50], verbose=0)
-    expected = np.mean(np.argmax(probabilities, -1) == labels[:50])
-    assert totals.accuracy == pytest.approx(expected)
-    # Accumulators reset after reading.
-    assert engine.evaluate(_distributed(mirrored, images[:16], labels[:16], repeat=False)).examples == 16
+    expected_accuracy = np.mean(np.argmax(probabilities, -1) == labels[:50])
+    expected_loss = np.mean(-np.log(probabilities[np.arange(50), labels[:50]]))
+    assert results["accuracy"] == pytest.approx(expected_accuracy)
+    assert results["loss"] == pytest.approx(expected_loss, rel=1e-5)
+    # Metrics reset between passes: 16 examples alone give their own accuracy.
+    again = engine.evaluate(mirrored.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((images[:16], labels[:16])).batch(GLOBAL_BATCH)))
+    expected_16 = np.mean(np.argmax(probabilities[:16], -1) == labels[:16])
+    assert again["accuracy"] == pytest.approx(expected_16)
+
+
+def test_predict_gathers_every_row_once_in_input_order(mirrored):
+    images, labels = _data()
+    engine = _engine(mirrored)
+    dataset = tf.data.Dataset.from_tensor_slices((images[:48], np.arange(48))).batch(GLOBAL_BATCH)
+    outputs, (_, ids) = engine.predict(mirrored.experimental_distribute_dataset(dataset))
+    assert outputs.shape == (48, 10) and sorted(ids.tolist()) == list(range(48))
+    np.testing.assert_allclose(outputs, engine.model.predict(images[ids], verbose=0), atol=1e-5)

@@ -74,11 +74,13 @@ def _build(cell: dict, strategy, info, policy: str):
     import keras
 
     from tfmp import models, precision
+    from tfmp.train import compile_classifier
 
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = models.build(cell["model"], info.image_shape, info.num_classes, dtype=policy)
         optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy, "auto")
+    compile_classifier(model, optimizer, strategy)
     return model, optimizer
 
 
@@ -86,7 +88,7 @@ def _time_engine(cell, strategy, model, optimizer, spec, image_size, timer):
     from tfmp import data
     from tfmp.engine import Engine
 
-    engine = Engine(strategy, model, optimizer, cell["global_batch_size"], xla=cell["xla"])
+    engine = Engine(strategy, model, optimizer, xla=cell["xla"])
     dataset = strategy.distribute_datasets_from_function(
         lambda context: data.load(spec, "train", cell["global_batch_size"], image_size=image_size,
                                   input_context=context, cache=cell.get("cache", False))[0])

@@ -15,6 +15,7 @@ device, else default. Batch sizes are always global: every replica gets global /
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 
@@ -178,3 +179,20 @@ def global_sum(value):
     if context is None or context.num_replicas_in_sync == 1:
         return value
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+_barriers = itertools.count()
+
+
+def barrier(strategy: tf.distribute.Strategy, timeout_seconds: float = 600.0) -> None:
+    """Waits until every worker of a multi-worker run gets here; a no-op on one host.
+
+    Ending a run at a barrier lets the workers leave together: when worker 0 (the coordination
+    service's leader) exits while a peer is still saving or printing, that peer's heartbeat
+    fails and it logs a gRPC error at shutdown although the run succeeded.
+    """
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return
+    from tensorflow.python.eager import context  # the coordination service's barrier
+
+    context.context().wait_at_barrier(f"tfmp_barrier_{next(_barriers)}", int(timeout_seconds * 1000))

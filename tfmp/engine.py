@@ -1,22 +1,29 @@
-"""The distributed train/eval step every tfmp run uses, under every strategy and precision.
+"""The distributed train/eval step every tfmp run uses, for any compiled Keras model.
 
-    engine = Engine(strategy, model, optimizer, global_batch_size=256, xla=False)
-    totals = engine.train(distributed_iterator, num_steps=10)   # one host call, 10 steps
-    print(totals.loss, totals.accuracy)
+    model.compile(optimizer, loss, metrics)           # inside strategy.scope()
+    engine = Engine(strategy, model, xla=False)
+    result = engine.train(distributed_iterator, num_steps=10)   # one host call, 10 steps
+    print(result.metrics)                              # {"loss": ..., "accuracy": ...}
 
 Why not `model.fit`: in Keras 3.15 it fails under MultiWorkerMirroredStrategy ("Attempt to
 convert a value (PerReplica...)") and `compile(jit_compile=True)` fails under MirroredStrategy
-(a resource on CPU:1 read from CPU:0). Here each replica runs a plain `strategy.run` step:
+(a resource on CPU:1 read from CPU:0). Here each replica runs a plain `strategy.run` step that
+does what Keras' own `train_step` does, so the numbers are Keras' numbers:
 
-- the per-example loss is summed and divided by the *global* batch, so the all-reduced (summed)
-  gradients equal the single-device gradient of the global batch;
-- with XLA only the forward+backward pass is compiled, per replica. The gradient all-reduce and
-  the optimizer update stay outside the cluster, which is what makes XLA work under Mirrored
-  and MultiWorkerMirrored alike;
+- the loss is the model's compiled loss (`model.compute_loss`: every output, `loss_weights`,
+  `sample_weight`, plus `model.losses`). Keras divides each mean-reduced loss and each
+  regulariser by the number of replicas, so the all-reduced (summed) gradients of N replicas
+  equal the single-device gradient of the global batch. A loss that normalises by a count
+  inside the batch uses `distribute.global_sum` for the global count (and `reduction="sum"`);
+- metrics are the model's compiled metrics (and its loss trackers): Keras keeps them in
+  SUM-on-read variables, so each replica accumulates locally (no communication per step) and a
+  read after the host call reduces them over every replica and worker;
+- with XLA the model's forward pass (and with it its backward pass) is compiled per replica.
+  The loss, the gradient all-reduce and the optimizer update stay outside the cluster, which is
+  what makes XLA work under Mirrored and MultiWorkerMirrored alike, and lets a loss all-reduce;
 - loss scaling is `optimizer.scale_loss` then `optimizer.apply` (which unscales); with
   `precision.LossScaleOptimizer` an overflow on any replica skips the step on all replicas;
-- metrics accumulate in SUM-on-read variables: no communication per step, one reduction when
-  read. `steps_per_execution` steps run in one `tf.function` call (a `tf.range` loop).
+- `steps_per_execution` steps run in one `tf.function` call (a `tf.range` loop).
 """
 
 from __future__ import annotations
@@ -24,146 +31,180 @@ from __future__ import annotations
 import dataclasses
 
 import keras
+import numpy as np
 import tensorflow as tf
+from keras.src.losses import loss as keras_loss  # Keras' own (un)scaling for tf.distribute
 
-# Accumulator slots, summed over replicas and steps: loss sum, examples in it, correct,
-# examples, steps with non-finite values, steps run while a worker asked to stop.
-_SLOTS = 6
+from tfmp.errors import UsageError
+
+# Status slots, summed over replicas and steps: steps with non-finite loss or gradients, and
+# steps run while a worker asked to stop.
+_SLOTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class Totals:
-    """Metrics over the steps since the last reset, summed across all replicas and workers."""
+class StepResult:
+    """What one host call of training reports."""
 
-    loss_sum: float
-    loss_examples: float
-    correct: float
-    examples: float
-    nonfinite_steps: float
+    metrics: dict  # the model's metrics since the last reset, over all replicas and workers
+    nonfinite_steps: float  # replica-steps whose loss or gradients were not finite
     stop_requests: float  # > 0 when any worker asked to stop (preemption); not a count
 
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / self.loss_examples if self.loss_examples else float("nan")
 
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.examples if self.examples else float("nan")
+def _unpack(data):
+    """(x, y, sample_weight, valid): Keras' 1-3 tuples, plus tfmp's padded eval 4-tuple.
+
+    `valid` (1 for a real row, 0 for padding) lets eval batches be padded to full size, so every
+    replica and worker runs the same number of steps while padded rows count nowhere.
+    """
+    if isinstance(data, (list, tuple)):
+        data = tuple(data) + (None,) * (4 - len(data))
+        return data
+    return data, None, None, None
+
+
+def _rows(x):
+    first = next(tensor for tensor in tf.nest.flatten(x) if tensor is not None)
+    return tf.shape(first)[0]
 
 
 class Engine:
-    """Owns the compiled train and eval functions for one model, optimizer and strategy."""
+    """Owns the compiled train, eval and predict functions for one compiled model and strategy."""
 
     def __init__(self, strategy: tf.distribute.Strategy, model: keras.Model,
-                 optimizer: keras.optimizers.Optimizer, global_batch_size: int, xla: bool = False):
+                 optimizer: keras.optimizers.Optimizer | None = None, *, xla: bool = False):
+        if not getattr(model, "compiled", False) or model.optimizer is None:
+            raise UsageError(f"model {model.name!r} is not compiled; call model.compile(optimizer, loss, "
+                             "metrics) inside the strategy's scope first")
         self.strategy = strategy
         self.model = model
-        self.optimizer = optimizer
-        self.global_batch_size = global_batch_size
+        self.optimizer = optimizer or model.optimizer
         self.xla = xla
-        # Keras losses follow the global policy unless told otherwise; losses stay float32.
-        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction=None, dtype="float32")
         with strategy.scope():
-            optimizer.build(model.trainable_variables)
-            self._train_totals = self._accumulator("train_totals")
-            self._eval_totals = self._accumulator("eval_totals")
-        self._gradients = tf.function(self._gradients_fn, jit_compile=True) if xla else self._gradients_fn
+            self.optimizer.build(model.trainable_variables)
+            self._status = tf.Variable(tf.zeros([_SLOTS], tf.float32), trainable=False, name="engine_status",
+                                       synchronization=tf.VariableSynchronization.ON_READ,
+                                       aggregation=tf.VariableAggregation.SUM)
         self._forward = tf.function(self._forward_fn, jit_compile=True) if xla else self._forward_fn
         self._train_fn = tf.function(self._train_loop)
         self._eval_fn = tf.function(self._eval_loop)
         self._infer_fn = tf.function(self._infer_loop)
+        self._predict_fn = tf.function(self._predict_batch)
 
-    @staticmethod
-    def _accumulator(name: str) -> tf.Variable:
-        return tf.Variable(tf.zeros([_SLOTS], tf.float32), trainable=False, name=name,
-                           synchronization=tf.VariableSynchronization.ON_READ,
-                           aggregation=tf.VariableAggregation.SUM)
+    def _forward_fn(self, x, training):
+        return self.model(x, training=training)
 
-    def _batch_statistics(self, labels, probabilities, padded=False):
-        """Loss sum, correct count and example count of a batch.
+    def _loss(self, x, y, y_pred, sample_weight, training):
+        """The model's compiled loss for this replica, already divided for the replica count."""
+        return self.model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                       training=training)
 
-        Eval batches are padded to full size (label -1) so every replica and worker runs the
-        same number of full batches; padded rows count nowhere.
-        """
-        valid = labels >= 0 if padded else tf.ones_like(labels, tf.bool)
-        labels = tf.maximum(labels, 0)
-        weights = tf.cast(valid, tf.float32)
-        loss_sum = tf.reduce_sum(self.loss_fn(labels, probabilities) * weights)
-        predictions = tf.argmax(probabilities, axis=-1, output_type=labels.dtype)
-        correct = tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.float32) * weights)
-        return loss_sum, correct, tf.reduce_sum(weights)
+    def _track(self, loss, rows, finite, x, y, y_pred, sample_weight):
+        """Keras' loss tracker (weighted by real rows; skipped steps count nowhere) and metrics."""
+        unscaled = keras_loss.unscale_loss_for_distribution(tf.cast(loss, tf.float32))
+        rows = tf.cast(rows, tf.float32)
+        self.model._loss_tracker.update_state(tf.where(finite, unscaled, 0.0),
+                                              sample_weight=tf.where(finite, rows, 0.0))
+        self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _gradients_fn(self, images, labels):
+    def _train_replica_step(self, data, stop_requested):
+        x, y, sample_weight, _ = _unpack(data)
+        variables = self.model.trainable_variables
         with tf.GradientTape() as tape:
-            probabilities = self.model(images, training=True)
-            loss_sum, correct, examples = self._batch_statistics(labels, probabilities)
-            loss = loss_sum / self.global_batch_size
-            if self.model.losses:
-                # Regularisers are added once per replica, and gradients are summed over replicas.
-                loss += tf.add_n(self.model.losses) / self.strategy.num_replicas_in_sync
+            y_pred = self._forward(x, True)
+            loss = self._loss(x, y, y_pred, sample_weight, training=True)
             scaled_loss = self.optimizer.scale_loss(loss)
-        gradients = tape.gradient(scaled_loss, self.model.trainable_variables)
+        gradients = tape.gradient(scaled_loss, variables)
         # The loss alone can look finite when the gradients are not (cross-entropy clips NaN
         # probabilities), so the stop/skip statistics check the gradients themselves.
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None])
-        return gradients, loss_sum, correct, examples, tf.logical_and(finite, tf.math.is_finite(loss_sum))
-
-    def _train_replica_step(self, images, labels, stop_requested):
-        gradients, loss_sum, correct, examples, finite = self._gradients(images, labels)
-        self.optimizer.apply(gradients, self.model.trainable_variables)
-        self._accumulate(self._train_totals, loss_sum, correct, examples, finite, stop_requested)
-
-    @staticmethod
-    def _accumulate(totals, loss_sum, correct, examples, finite=None, stop_requested=0.0):
-        finite = tf.math.is_finite(loss_sum) if finite is None else finite
-        totals.assign_add(tf.stack([
-            tf.where(finite, loss_sum, 0.0), tf.where(finite, examples, 0.0), correct, examples,
-            tf.where(finite, 0.0, 1.0), tf.cast(stop_requested, tf.float32)]))
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None]
+                               + [tf.math.is_finite(tf.cast(loss, tf.float32))])
+        self.optimizer.apply(gradients, variables)
+        self._track(loss, _rows(x), finite, x, y, y_pred, sample_weight)
+        self._status.assign_add(tf.stack([tf.where(finite, 0.0, 1.0), tf.cast(stop_requested, tf.float32)]))
 
     def _train_loop(self, iterator, num_steps, stop_requested):
-        # The stop request rides on the metrics' own reduction: no extra collective per step.
+        # The stop request rides on a SUM-on-read variable: no extra collective per step.
         for _ in tf.range(num_steps):
-            images, labels = next(iterator)
-            self.strategy.run(self._train_replica_step, args=(images, labels, stop_requested))
+            self.strategy.run(self._train_replica_step, args=(next(iterator), stop_requested))
 
-    def _forward_fn(self, images):
-        return self.model(images, training=False)
-
-    def _eval_replica_step(self, images, labels):
-        probabilities = self._forward(images)
-        self._accumulate(self._eval_totals, *self._batch_statistics(labels, probabilities, padded=True))
+    def _eval_replica_step(self, data):
+        x, y, sample_weight, valid = _unpack(data)
+        y_pred = self._forward(x, False)
+        loss = self._loss(x, y, y_pred, sample_weight, training=False)
+        rows = tf.cast(_rows(x), tf.float32)
+        if valid is not None:
+            # Keras divides a mean loss by all rows; rescale so padded rows count nowhere.
+            real_rows = tf.reduce_sum(tf.cast(valid, tf.float32))
+            loss = tf.math.divide_no_nan(tf.cast(loss, tf.float32) * rows, real_rows)
+            rows = real_rows
+        self._track(loss, rows, tf.constant(True), x, y, y_pred, sample_weight)
 
     def _eval_loop(self, distributed_dataset):
-        for images, labels in distributed_dataset:
-            self.strategy.run(self._eval_replica_step, args=(images, labels))
+        for data in distributed_dataset:
+            self.strategy.run(self._eval_replica_step, args=(data,))
 
     def _infer_loop(self, iterator, num_steps):
         for _ in tf.range(num_steps):
-            images, labels = next(iterator)
-            self.strategy.run(self._eval_replica_step, args=(images, labels))
+            self.strategy.run(self._eval_replica_step, args=(next(iterator),))
 
-    @staticmethod
-    def _read_and_reset(totals: tf.Variable) -> Totals:
-        values = totals.read_value().numpy()
-        totals.assign(tf.zeros([_SLOTS], tf.float32))
-        return Totals(*(float(v) for v in values))
+    def _predict_batch(self, data):
+        outputs = self.strategy.run(lambda data: self._forward(_unpack(data)[0], False), args=(data,))
+        # Every worker gets every replica's rows, each output next to the input row it came from.
+        # Leaf by leaf: TF 2.21's gather of a nested structure drops rows of its later leaves.
+        gather = lambda value: self.strategy.gather(value, axis=0)  # noqa: E731
+        return tf.nest.map_structure(gather, outputs), tf.nest.map_structure(gather, data)
 
-    def train(self, iterator, num_steps: int, stop_requested: bool = False) -> Totals:
-        """Runs `num_steps` steps in one call; returns (and resets) the metrics of those steps.
+    def _results(self) -> dict:
+        return {name: float(value) for name, value in self.model.get_metrics_result().items()}
+
+    def _read_status(self) -> np.ndarray:
+        values = self._status.read_value().numpy()
+        self._status.assign(tf.zeros([_SLOTS], tf.float32))
+        return values
+
+    def reset_metrics(self) -> None:
+        """Starts a new averaging window (an epoch) for the model's metrics."""
+        self.model.reset_metrics()
+
+    def train(self, iterator, num_steps: int, stop_requested: bool = False) -> StepResult:
+        """Runs `num_steps` steps in one call; returns the metrics since the last reset.
 
         `stop_requested` (this worker got SIGTERM) shows up on every worker as
-        `Totals.stop_requests > 0`, so all of them can checkpoint at the same step.
+        `StepResult.stop_requests > 0`, so all of them can checkpoint at the same step.
         """
         self._train_fn(iterator, tf.constant(num_steps, tf.int64),
                        tf.constant(float(stop_requested), tf.float32))
-        return self._read_and_reset(self._train_totals)
+        nonfinite, stops = self._read_status()
+        return StepResult(self._results(), float(nonfinite), float(stops))
 
-    def infer(self, iterator, num_steps: int) -> Totals:
+    def infer(self, iterator, num_steps: int) -> dict:
         """Forward passes only (inference throughput): `num_steps` batches in one call."""
+        self.reset_metrics()
         self._infer_fn(iterator, tf.constant(num_steps, tf.int64))
-        return self._read_and_reset(self._eval_totals)
+        return self._results()
 
-    def evaluate(self, distributed_dataset) -> Totals:
-        """One pass over a finite distributed dataset whose batches are full (pad with label -1)."""
+    def evaluate(self, distributed_dataset) -> dict:
+        """One pass over a finite distributed dataset; the model's metrics over all of it.
+
+        Elements are Keras' `(x, y[, sample_weight])`, or tfmp's padded `(x, y, sample_weight,
+        valid)` whose `valid == 0` rows (padding to a full batch) count nowhere.
+        """
+        self.reset_metrics()
         self._eval_fn(distributed_dataset)
-        return self._read_and_reset(self._eval_totals)
+        results = self._results()
+        self.reset_metrics()
+        return results
+
+    def predict(self, distributed_dataset) -> tuple:
+        """Model outputs for every element, with the elements themselves, as NumPy on every worker.
+
+        Returns `(outputs, inputs)`, each the model output / input element structure with all
+        batches concatenated; padded rows are still there (drop them with the element's mask).
+        """
+        batches = [self._predict_fn(data) for data in distributed_dataset]
+        if not batches:
+            return None, None
+        concatenated = tf.nest.map_structure(lambda *parts: np.concatenate([p.numpy() for p in parts]),
+                                             *batches)
+        return concatenated

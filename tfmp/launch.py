@@ -31,6 +31,9 @@ from tfmp.cluster import parse_tf_config
 from tfmp.errors import EXIT_PREEMPTED, EXIT_USAGE, UsageError
 
 STARTUP_TIMEOUT_ENV = "TFMP_STARTUP_TIMEOUT"
+# One name per launched group (kept across restarts), so the workers of an app started without
+# --model_dir agree on the default run directory and a restarted group resumes it.
+RUN_NAME_ENV = "TFMP_RUN_NAME"
 PREEMPTION_GRACE_SECONDS = 120  # for the other workers to finish the preemption checkpoint
 
 
@@ -173,6 +176,7 @@ def run_local_group(command: list[str], num_workers: int, devices_per_worker: in
 def launch_local(command: list[str], num_workers: int, max_restarts: int = 0,
                  devices_per_worker: int | None = None, startup_timeout: int | None = None) -> int:
     """Runs the group, restarting it up to `max_restarts` times after a failure."""
+    os.environ.setdefault(RUN_NAME_ENV, time.strftime("%Y%m%d-%H%M%S"))
     for attempt in range(max_restarts + 1):
         code, stopped = run_local_group(command, num_workers, devices_per_worker, startup_timeout)
         if code == 0 or stopped or attempt == max_restarts:

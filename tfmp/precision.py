@@ -187,3 +187,39 @@ def current_loss_scale(optimizer: keras.optimizers.Optimizer) -> float:
             return float(optimizer.initial_scale)
         return float(optimizer.dynamic_scale.numpy())
     return float(optimizer.loss_scale_factor or 1.0)
+
+
+def model_compute_dtypes(model: keras.Model) -> set[str]:
+    """The compute dtypes of a model's layers (a mixed_float16 model has float16 and float32)."""
+    return {layer.dtype_policy.compute_dtype for layer in model._flatten_layers(include_self=False)
+            if getattr(layer, "dtype_policy", None) is not None and layer.weights}
+
+
+def ensure_loss_scaling(model: keras.Model, strategy: tf.distribute.Strategy
+                        ) -> tuple[keras.optimizers.Optimizer, str | None]:
+    """The optimizer a user's compiled model should train with under tfmp, and what changed.
+
+    A model that computes in float16 needs loss scaling: a plain optimizer gets tfmp's
+    replica-safe `LossScaleOptimizer`, and Keras' own `LossScaleOptimizer` (which `compile`
+    adds under a global mixed_float16 policy) is replaced by tfmp's with the same settings,
+    because Keras' skips an overflow only when replica 0 sees it. A fixed
+    `loss_scale_factor` the user chose is kept. Returns (optimizer, note or None).
+    """
+    optimizer = model.optimizer
+    if isinstance(optimizer, LossScaleOptimizer):
+        return optimizer, None
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        with strategy.scope():
+            replaced = LossScaleOptimizer(optimizer.inner_optimizer, initial_scale=optimizer.initial_scale,
+                                          dynamic_growth_steps=optimizer.dynamic_growth_steps)
+        return replaced, ("replaced Keras' LossScaleOptimizer by tfmp.precision.LossScaleOptimizer "
+                          f"(same initial scale {optimizer.initial_scale:g}, growth every "
+                          f"{optimizer.dynamic_growth_steps} steps): Keras skips an overflow only when "
+                          "replica 0 sees it")
+    if "float16" in model_compute_dtypes(model) and not optimizer.loss_scale_factor:
+        with strategy.scope():
+            wrapped = LossScaleOptimizer(optimizer, initial_scale=DEFAULT_INITIAL_SCALE,
+                                         dynamic_growth_steps=DEFAULT_GROWTH_STEPS)
+        return wrapped, ("the model computes in float16 and its optimizer had no loss scaling: "
+                         "wrapped it in tfmp.precision.LossScaleOptimizer (dynamic)")
+    return optimizer, None

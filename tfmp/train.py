@@ -14,8 +14,6 @@ import dataclasses
 import hashlib
 import math
 import os
-import signal
-import threading
 import time
 
 import keras
@@ -23,10 +21,12 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import data, distribute, models, optim, precision
+from tfmp import data, distribute, fitting, models, optim, precision
 from tfmp.checkpoint import Checkpoints
 from tfmp.engine import Engine
-from tfmp.errors import Preempted, TrainingDiverged, UsageError, unknown
+from tfmp.errors import UsageError, unknown
+from tfmp.launch import RUN_NAME_ENV
+from tfmp.loop import Loop, LoopSettings
 from tfmp.reporting import Reporter
 
 XLA_CHOICES = ("auto", "on", "off")
@@ -83,9 +83,13 @@ def resolve_xla(xla: str) -> tuple[bool, str]:
 
 
 def default_model_dir(config: TrainConfig) -> str:
-    """runs/<model>-<dataset>-<time>: a fresh directory per run; resume by naming an old one."""
+    """runs/<model>-<dataset>-<time>: a fresh directory per run; resume by naming an old one.
+
+    Workers started by `tfmp.launch` share the launcher's time stamp, so they agree on it.
+    """
     dataset = "".join(c if c.isalnum() else "_" for c in config.dataset.split("/")[-1])
-    return os.path.join("runs", f"{config.model}-{dataset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    stamp = os.environ.get(RUN_NAME_ENV) or time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{config.model}-{dataset}-{stamp}")
 
 
 def _check_positive(**values):
@@ -120,6 +124,9 @@ def _plan(config: TrainConfig) -> _Plan:
     _check_positive(epochs=config.epochs, steps=config.steps, global_batch_size=config.global_batch_size,
                     steps_per_execution=config.steps_per_execution, keep_checkpoints=config.keep_checkpoints,
                     log_every=config.log_every)
+    if config.cpu_replicas < 0:
+        raise UsageError(f"--cpu_replicas={config.cpu_replicas} must be 0 (no split) or a positive "
+                         "number of logical CPU devices")
     if config.model not in models.MODELS:
         raise unknown("model", config.model, models.MODELS)
     # Logical CPU devices can only be made before TensorFlow initialises its runtime.
@@ -148,9 +155,9 @@ def _plan(config: TrainConfig) -> _Plan:
     learning_rate = distribute.scale_learning_rate(config.learning_rate, config.global_batch_size,
                                                    config.reference_batch_size, config.lr_scaling)
     schedule = optim.schedule(learning_rate, total_steps, config.warmup_steps, config.lr_decay)
-    if topology.workers > 1 and not config.model_dir:
-        raise UsageError("multi-worker training needs an explicit --model_dir shared by all workers "
-                         "(they restore from the chief's checkpoints)")
+    if topology.workers > 1 and not config.model_dir and not os.environ.get(RUN_NAME_ENV):
+        raise UsageError("multi-worker training without tfmp.launch needs an explicit --model_dir shared by "
+                         "all workers (they restore from the chief's checkpoints)")
     return _Plan(strategy, topology, policy, policy_choice.reason, policy_choice.warning, loss_scale,
                  info, use_xla, xla_reason, per_replica_batch, steps_per_epoch, total_steps, epochs,
                  learning_rate, schedule)
@@ -163,36 +170,78 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
     TrainingDiverged when the loss becomes non-finite without a loss scaler to skip the step.
     """
     plan = _plan(config)
-    strategy, topology, policy, info = plan.strategy, plan.topology, plan.policy, plan.info
-    total_steps, steps_per_epoch, schedule = plan.total_steps, plan.steps_per_epoch, plan.schedule
     if plan.warning:
         logging.warning("%s", plan.warning)
-        if config.verbose and topology.is_chief:
+        if config.verbose and plan.topology.is_chief:
             print(f"WARNING: {plan.warning}", flush=True)
-
-    keras.utils.set_random_seed(config.seed)
-    with strategy.scope():
-        model = models.build(config.model, info.image_shape, info.num_classes, dtype=policy)
-        # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
-        optimizer = precision.wrap_optimizer(
-            optim.build(config.optimizer, plan.schedule, config.weight_decay), policy, plan.loss_scale)
-    engine = Engine(strategy, model, optimizer, config.global_batch_size, xla=plan.use_xla)
-    dynamic_scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-
+    model, engine = _build_model(config, plan)
     # Validation is over: from here on the run writes files.
     model_dir = config.model_dir or default_model_dir(config)
-    if topology.is_chief:
+    if plan.topology.is_chief:
         os.makedirs(model_dir, exist_ok=True)
-    task_id = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0
-    checkpoints = Checkpoints(model_dir, topology.is_chief, task_id, keep=config.keep_checkpoints,
-                              model=model, optimizer=optimizer)
-    start_step = checkpoints.restore(model_dir)
-    reporter = Reporter(model_dir if topology.is_chief else None, verbose=config.verbose and topology.is_chief)
-    if resolved_flags and topology.is_chief:
+    task_id = getattr(getattr(plan.strategy, "cluster_resolver", None), "task_id", 0) or 0
+    checkpoints = Checkpoints(model_dir, plan.topology.is_chief, task_id, keep=config.keep_checkpoints,
+                              global_batch_size=config.global_batch_size, model=model,
+                              optimizer=engine.optimizer)
+    try:
+        start_step = checkpoints.restore()
+    except UsageError:
+        checkpoints.close()
+        raise
+    reporter = Reporter(model_dir if plan.topology.is_chief else None,
+                        verbose=config.verbose and plan.topology.is_chief)
+    if resolved_flags and plan.topology.is_chief:
         with open(os.path.join(model_dir, FLAGS_FILE), "w", encoding="utf-8") as file:
             file.write(resolved_flags)
+    try:
+        data_for_epoch, evaluate, shard_policies = _inputs(config, plan, engine, start_step)
+        reporter.run_card(_run_card(config, plan, model, engine, start_step, shard_policies, model_dir))
+        settings = LoopSettings(total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
+                                global_batch_size=config.global_batch_size,
+                                steps_per_execution=config.steps_per_execution,
+                                checkpoint_every=config.checkpoint_every, log_every=config.log_every,
+                                learning_rate=plan.schedule)
+        result = Loop(engine, data_for_epoch, settings, reporter=reporter, checkpoints=checkpoints,
+                      evaluate=evaluate).run(start_step)
+        if plan.topology.is_chief:
+            model.save(os.path.join(model_dir, MODEL_FILE))
+        distribute.barrier(plan.strategy)
+    finally:
+        reporter.close()
+        checkpoints.close()
+    return _summary(config, plan, model, engine, result, model_dir)
 
+
+def _build_model(config: TrainConfig, plan: _Plan) -> tuple[keras.Model, Engine]:
+    """The model, compiled with the classification loss and accuracy, and its engine."""
+    keras.utils.set_random_seed(config.seed)
+    with plan.strategy.scope():
+        model = models.build(config.model, plan.info.image_shape, plan.info.num_classes, dtype=plan.policy)
+        # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
+        optimizer = precision.wrap_optimizer(
+            optim.build(config.optimizer, plan.schedule, config.weight_decay), plan.policy, plan.loss_scale)
+    compile_classifier(model, optimizer, plan.strategy)
+    return model, Engine(plan.strategy, model, optimizer, xla=plan.use_xla)
+
+
+def compile_classifier(model: keras.Model, optimizer: keras.optimizers.Optimizer,
+                       strategy: tf.distribute.Strategy) -> keras.Model:
+    """Compiles a tfmp classifier (float32 softmax head) as the apps train it, and builds its
+    loss and metrics for (images, int labels) batches."""
+    with strategy.scope():
+        # The builders end in float32 probabilities; Keras losses compute in float32 too.
+        # Accuracy is a *weighted* metric so that padded eval rows (weight 0) count nowhere.
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(),
+                      weighted_metrics=["accuracy"])
+    spec = (tf.TensorSpec((None, *model.input_shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32))
+    fitting.build_for_data(model, strategy, spec)
+    return model
+
+
+def _inputs(config: TrainConfig, plan: _Plan, engine: Engine, start_step: int):
+    """The loop's data (one endless stream, positioned at `start_step`) and its evaluation."""
     shard_policies = []
+    strategy = plan.strategy
 
     def train_input(input_context):
         # Resume: each input pipeline skips what it fed before the checkpoint.
@@ -205,151 +254,75 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
         return dataset
 
     def eval_input(input_context):
-        return data.load(config.dataset, "eval", config.global_batch_size, image_size=config.image_size,
-                         data_dir=config.data_dir, input_context=input_context, training=False,
-                         cache=config.cache)[0]
+        dataset = data.load(config.dataset, "eval", config.global_batch_size, image_size=config.image_size,
+                            data_dir=config.data_dir, input_context=input_context, training=False,
+                            cache=config.cache)[0]
+        # Eval batches are padded to full size with label -1: padded rows weigh (and count) 0.
+        return dataset.map(lambda images, labels: (
+            images, tf.maximum(labels, 0), tf.cast(labels >= 0, tf.float32), tf.cast(labels >= 0, tf.float32)))
 
     train_iterator = iter(strategy.distribute_datasets_from_function(train_input))
     eval_dataset = strategy.distribute_datasets_from_function(eval_input) if config.evaluate else None
+    evaluate = (lambda: engine.evaluate(eval_dataset)) if eval_dataset is not None else None
+    return (lambda epoch, steps_done: train_iterator), evaluate, shard_policies
 
-    reporter.run_card({
+
+def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir) -> dict:
+    info, optimizer = plan.info, engine.optimizer
+    return {
         "model": f"{config.model} ({model.count_params():,} parameters)",
         "dataset": f"{config.dataset} {info.image_shape}, {info.num_classes} classes, "
                    f"{info.train_examples} train / {info.eval_examples} eval",
-        "precision": f"{policy} ({plan.policy_reason})",
-        "compute dtype": precision.compute_dtype(policy),
-        "variable dtype": keras.DTypePolicy(policy).variable_dtype,
+        "precision": f"{plan.policy} ({plan.policy_reason})",
+        "compute dtype": precision.compute_dtype(plan.policy),
+        "variable dtype": keras.DTypePolicy(plan.policy).variable_dtype,
         "head dtype": model.layers[-1].dtype_policy.compute_dtype,
         "output dtype": model.output.dtype,
+        "loss": "sparse categorical cross-entropy on float32 probabilities, metric accuracy",
         "loss scale": f"{precision.loss_scale_mode(optimizer)}, now {precision.current_loss_scale(optimizer):g}",
-        "strategy": f"{topology.strategy} ({config.strategy})",
-        "replicas": f"{topology.replicas} ({topology.workers} worker(s))",
-        "devices": ", ".join(topology.devices),
+        "strategy": f"{plan.topology.strategy} ({config.strategy})",
+        "replicas": f"{plan.topology.replicas} ({plan.topology.workers} worker(s))",
+        "devices": ", ".join(plan.topology.devices),
         "global batch": config.global_batch_size,
         "per-replica batch": plan.per_replica_batch,
         "learning rate": f"{plan.learning_rate:g} ({config.optimizer}, base {config.learning_rate:g}, "
                          f"scaling {config.lr_scaling} vs batch {config.reference_batch_size}, "
                          f"warmup {config.warmup_steps}, decay {config.lr_decay})",
-        "steps": f"{total_steps} ({plan.epochs} epoch(s) x {steps_per_epoch}), from step {start_step}",
+        "steps": f"{plan.total_steps} ({plan.epochs} epoch(s) x {plan.steps_per_epoch}), from step {start_step}",
         "steps per execution": config.steps_per_execution,
         "xla": f"{'on' if plan.use_xla else 'off'} ({plan.xla_reason}; forward+backward compiled per replica)",
         "shard policy": ", ".join(sorted(set(shard_policies))) or "n/a",
         "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
         "model dir": os.path.abspath(model_dir),
-    })
-
-    step = start_step
-    last_eval = None
-    steady_examples, steady_seconds, first_call = 0, 0.0, True
-    preemption = _PreemptionNotice()
-    try:
-        while step < total_steps:
-            epoch = step // steps_per_epoch
-            epoch_start = epoch * steps_per_epoch
-            epoch_end = min(epoch_start + steps_per_epoch, total_steps)
-            reporter.start_epoch(epoch + 1, plan.epochs, epoch_end - epoch_start)
-            log_loss = log_examples = log_correct = log_seen = 0.0
-            log_started, log_step = time.perf_counter(), step
-            while step < epoch_end:
-                num_steps = min(config.steps_per_execution, epoch_end - step)
-                if config.checkpoint_every:
-                    num_steps = min(num_steps, config.checkpoint_every - step % config.checkpoint_every)
-                started = time.perf_counter()
-                totals = engine.train(train_iterator, num_steps, stop_requested=preemption.received)
-                seconds = time.perf_counter() - started
-                step += num_steps
-                if totals.stop_requests:
-                    # Every worker sees the same reduced value, so all save at this step.
-                    checkpoints.save(step)
-                    raise Preempted(f"SIGTERM on a worker: checkpoint saved at step {step} in "
-                                    f"{model_dir}; run the same command again to resume")
-                if not first_call:  # the first call traces and compiles: not throughput
-                    steady_examples += num_steps * config.global_batch_size
-                    steady_seconds += seconds
-                first_call = False
-                if totals.nonfinite_steps and not dynamic_scaling:
-                    raise TrainingDiverged(
-                        f"loss became non-finite at step {step} under {policy} "
-                        f"(loss scale: {precision.loss_scale_mode(optimizer)}); training stopped, the last "
-                        f"good checkpoint in {checkpoints.directory} is kept; lower --learning_rate")
-                if dynamic_scaling and precision.current_loss_scale(optimizer) < 1.0:
-                    raise TrainingDiverged(
-                        f"loss scale fell below 1 at step {step}: gradients are non-finite even "
-                        "unscaled; lower --learning_rate")
-                log_loss += totals.loss_sum
-                log_examples += totals.loss_examples
-                log_correct += totals.correct
-                log_seen += totals.examples
-                examples_per_sec = num_steps * config.global_batch_size / seconds
-                reporter.progress(step - epoch_start, {
-                    "loss": log_loss / max(log_examples, 1), "accuracy": log_correct / max(log_seen, 1),
-                    "examples/s": examples_per_sec})
-                if step - log_step >= config.log_every or step == epoch_end:
-                    elapsed = time.perf_counter() - log_started
-                    reporter.scalars(step, "train", {
-                        "loss": log_loss / max(log_examples, 1), "accuracy": log_correct / max(log_seen, 1),
-                        "learning_rate": float(schedule(step - 1)),
-                        "loss_scale": precision.current_loss_scale(optimizer),
-                        "examples_per_sec": (step - log_step) * config.global_batch_size / elapsed})
-                    log_loss = log_examples = log_correct = log_seen = 0.0
-                    log_started, log_step = time.perf_counter(), step
-                if config.checkpoint_every and step % config.checkpoint_every == 0 and step < total_steps:
-                    checkpoints.save(step)
-            if eval_dataset is not None:
-                last_eval = engine.evaluate(eval_dataset)
-                reporter.scalars(step, "eval", {"loss": last_eval.loss, "accuracy": last_eval.accuracy})
-                reporter.message(f"  eval: loss {last_eval.loss:.4f}, accuracy {last_eval.accuracy:.4f}")
-            checkpoints.save(step)
-        if eval_dataset is not None and last_eval is None:  # resumed a finished run
-            last_eval = engine.evaluate(eval_dataset)
-            reporter.message(f"  eval: loss {last_eval.loss:.4f}, accuracy {last_eval.accuracy:.4f}")
-        if topology.is_chief:
-            model.save(os.path.join(model_dir, MODEL_FILE))
-    finally:
-        preemption.restore()
-        reporter.close()
-        checkpoints.close()
-
-    summary = {
-        "eval_accuracy": last_eval.accuracy if last_eval else None,
-        "eval_loss": last_eval.loss if last_eval else None,
-        "examples_per_sec": steady_examples / steady_seconds if steady_seconds else None,
-        "precision": policy, "replicas": topology.replicas, "workers": topology.workers,
-        "steps": step, "loss_scale": precision.current_loss_scale(optimizer),
-        "model_dir": os.path.abspath(model_dir),
-        "optimizer_iterations": int(optimizer.iterations.numpy()),
-        "weights_sha256": _weights_digest(model),
     }
-    accuracy = f"{summary['eval_accuracy']:.4f}" if last_eval else "n/a"
+
+
+def _summary(config, plan, model, engine, result, model_dir) -> dict:
+    last_eval = result.last_eval or {}
+    summary = {
+        "eval_accuracy": last_eval.get("accuracy"),
+        "eval_loss": last_eval.get("loss"),
+        "examples_per_sec": result.examples_per_sec,
+        "precision": plan.policy, "replicas": plan.topology.replicas, "workers": plan.topology.workers,
+        "steps": result.step, "loss_scale": precision.current_loss_scale(engine.optimizer),
+        "model_dir": os.path.abspath(model_dir),
+        "optimizer_iterations": int(engine.optimizer.iterations.numpy()),
+        "weights_sha256": weights_digest(model),
+        "history": dict(result.history.history) if result.history else {},
+    }
+    accuracy = f"{summary['eval_accuracy']:.4f}" if summary["eval_accuracy"] is not None else "n/a"
     speed = f"{summary['examples_per_sec']:.0f}" if summary["examples_per_sec"] else "n/a"
     if config.verbose:  # every worker: identical weights digests show the workers agree
-        print(f"tfmp summary: eval accuracy {accuracy}, {speed} examples/s, precision {policy}, "
-              f"{topology.replicas} replica(s) on {topology.workers} worker(s), {step} steps "
+        print(f"tfmp summary: eval accuracy {accuracy}, {speed} examples/s, precision {plan.policy}, "
+              f"{plan.topology.replicas} replica(s) on {plan.topology.workers} worker(s), {result.step} steps "
               f"({summary['optimizer_iterations']} applied), "
               f"weights {summary['weights_sha256'][:12]}, model dir {summary['model_dir']}", flush=True)
     return summary
 
 
-def _weights_digest(model: keras.Model) -> str:
+def weights_digest(model: keras.Model) -> str:
+    """SHA-256 of every weight: equal digests mean bit-identical models (across workers too)."""
     digest = hashlib.sha256()
     for weight in model.weights:
         digest.update(np.ascontiguousarray(weight.numpy()).tobytes())
     return digest.hexdigest()
-
-
-class _PreemptionNotice:
-    """Notes SIGTERM (a scheduler's preemption notice) instead of dying mid-step."""
-
-    def __init__(self):
-        self.received = False
-        self._previous = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._note)
-
-    def _note(self, signum, frame):
-        logging.warning("SIGTERM received: checkpointing with every worker after this execution")
-        self.received = True
-
-    def restore(self):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
