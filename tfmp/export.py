@@ -124,14 +124,14 @@ def _batch_norm_folds(model: keras.Model) -> dict[str, str]:
 
 def _folded_weights(producer, batch_norm) -> list[np.ndarray]:
     """Kernel and bias of `producer` followed by `batch_norm` in inference mode, in float64."""
-    variance = np.asarray(batch_norm.moving_variance, np.float64)
-    scale = 1.0 / np.sqrt(variance + batch_norm.epsilon)
+    value = lambda variable: np.asarray(variable.numpy(), np.float64)
+    scale = 1.0 / np.sqrt(value(batch_norm.moving_variance) + batch_norm.epsilon)
     if batch_norm.scale:
-        scale = scale * np.asarray(batch_norm.gamma, np.float64)
-    shift = -np.asarray(batch_norm.moving_mean, np.float64) * scale
+        scale = scale * value(batch_norm.gamma)
+    shift = -value(batch_norm.moving_mean) * scale
     if batch_norm.center:
-        shift = shift + np.asarray(batch_norm.beta, np.float64)
-    kernel = np.asarray(producer.kernel, np.float64) * scale  # output channels are the last axis
+        shift = shift + value(batch_norm.beta)
+    kernel = value(producer.kernel) * scale  # output channels are the last axis
     return [kernel.astype(np.float32), shift.astype(np.float32)]
 
 
@@ -293,7 +293,7 @@ def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str 
 
 def reference_outputs(model, images, batch_size=64):
     """The trained model's float32 outputs, the reference every artifact is compared with."""
-    call = tf.function(lambda batch: tf.cast(model(batch, training=False), tf.float32))
+    call = lambda batch: tf.cast(model(batch, training=False), tf.float32)  # eager: called once
     return np.concatenate([call(tf.constant(images[start:start + batch_size])).numpy()
                            for start in range(0, len(images), batch_size)])
 

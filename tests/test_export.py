@@ -1,0 +1,179 @@
+"""tfmp.export and apps.export: every artifact reloads in a fresh process and matches Keras.
+
+One tiny ResNet-20 run (16x16 shapes, random weights and random BatchNorm statistics so the
+folding is exercised) is exported in float32 and bfloat16 in-process and in float16 through the
+app; one fresh process then loads all artifacts. Tolerances on probabilities, from each dtype's
+machine epsilon over ~20 layers: float32 1e-5, float16 0.01 (~20 x 2^-11), bfloat16 0.08
+(~20 x 2^-8); top-1 agreement >= 99% on 128 eval images.
+"""
+
+import importlib.util
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import run_python
+from tfmp import data, export, models
+from tfmp.errors import UsageError
+
+pytestmark = pytest.mark.slow  # fresh processes
+IMAGE_SIZE, EVAL_IMAGES = 16, 128
+TOLERANCE = {"float32": 1e-5, "float16": 0.01, "bfloat16": 0.08}
+
+RELOAD = r"""
+import json, os, sys
+import numpy as np, tensorflow as tf
+from tfmp import inference
+export_root, images = sys.argv[1], np.load(sys.argv[2])
+outputs, facts = {}, {}
+for precision in sorted(os.listdir(export_root)):
+    for name in ("saved_model", "model.tflite", "model.keras"):
+        predictor = inference.load(os.path.join(export_root, precision, name))
+        outputs[f"{precision}/{name}"] = predictor.predict(images)
+        if name == "saved_model":
+            serve = predictor.serve
+            facts[f"{precision}/saved_model"] = {
+                "variable_dtypes": sorted({v.dtype.name for v in predictor.loaded.variables}),
+                "input_dtype": serve.structured_input_signature[1]["images"].dtype.name,
+                "output_dtypes": {k: v.dtype.name for k, v in serve.structured_outputs.items()}}
+        if name == "model.tflite":
+            interpreter = predictor.interpreter
+            facts[f"{precision}/tflite"] = {
+                "interpreter": type(interpreter).__module__,
+                "ops": sorted({op["op_name"] for op in interpreter._get_ops_details()}),
+                "input_dtype": np.dtype(interpreter.get_input_details()[0]["dtype"]).name,
+                "output_dtype": np.dtype(interpreter.get_output_details()[0]["dtype"]).name}
+np.savez(sys.argv[3], **outputs)
+print("FACTS " + json.dumps(facts))
+"""
+
+
+def _tiny_run(run_dir):
+    """A run dir as train.py leaves it: model.keras plus the resolved flags."""
+    keras.utils.set_random_seed(1)
+    model = models.build("resnet20", (IMAGE_SIZE, IMAGE_SIZE, 3), 10, dtype="mixed_bfloat16")
+    rng = np.random.default_rng(1)
+    for layer in model.layers:  # trained-looking statistics: folding must carry them exactly
+        if isinstance(layer, keras.layers.BatchNormalization):
+            layer.moving_mean.assign(rng.uniform(-0.2, 0.2, layer.moving_mean.shape))
+            layer.moving_variance.assign(rng.uniform(0.5, 2.0, layer.moving_variance.shape))
+            layer.gamma.assign(rng.uniform(0.5, 1.5, layer.gamma.shape))
+            layer.beta.assign(rng.uniform(-0.2, 0.2, layer.beta.shape))
+    os.makedirs(run_dir)
+    model.save(os.path.join(run_dir, "model.keras"))
+    with open(os.path.join(run_dir, "flags.txt"), "w") as file:
+        file.write(f"# resolved flags\n--model=resnet20\n--dataset=shapes\n--image_size={IMAGE_SIZE}\n"
+                   "--precision=mixed_bfloat16\n")
+    return model
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    run_dir = str(root / "run")
+    model = _tiny_run(run_dir)
+    for precision in ("float32", "bfloat16"):
+        export.export_run(run_dir, precision=precision, eval_batches=2)
+    app = run_python(["-m", "apps.export", f"--model_dir={run_dir}", "--precision=float16"])
+    assert app.returncode == 0, app.stderr[-3000:]
+    stream = data.load("shapes", "eval", EVAL_IMAGES, image_size=IMAGE_SIZE, training=False)[0]
+    images = next(iter(stream))[0].numpy()
+    np.save(root / "images.npy", images)
+    reference = export.reference_outputs(export.inference_copy(model, "float32", fold_batch_norms=False), images)
+    reload = run_python(["-c", RELOAD, os.path.join(run_dir, "export"), str(root / "images.npy"),
+                         str(root / "outputs.npz")])
+    assert reload.returncode == 0, reload.stderr[-3000:]
+    facts = json.loads(next(line for line in reload.stdout.splitlines() if line.startswith("FACTS "))[6:])
+    return {"run_dir": run_dir, "app_stdout": app.stdout, "reference": reference, "facts": facts,
+            "outputs": dict(np.load(root / "outputs.npz"))}
+
+
+def test_float32_artifacts_equal_the_keras_model(exported):
+    for name in ("saved_model", "model.tflite", "model.keras"):
+        difference = np.abs(exported["outputs"][f"float32/{name}"] - exported["reference"]).max()
+        assert difference <= TOLERANCE["float32"], (name, difference)
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_half_precision_artifacts_within_tolerance(exported, precision):
+    reference = exported["reference"]
+    for name in ("saved_model", "model.keras", "model.tflite"):
+        outputs = exported["outputs"][f"{precision}/{name}"]
+        # The .tflite holds float16 weights but computes in float32: float16's tolerance.
+        tolerance = TOLERANCE["float16" if name == "model.tflite" else precision]
+        assert np.abs(outputs - reference).max() <= tolerance, (precision, name)
+        assert np.mean(outputs.argmax(-1) == reference.argmax(-1)) >= 0.99, (precision, name)
+
+
+def test_half_precision_saved_models_hold_half_variables_and_float32_signatures(exported):
+    facts = exported["facts"]
+    assert facts["float16/saved_model"]["variable_dtypes"] == ["float16"]
+    assert facts["bfloat16/saved_model"]["variable_dtypes"] == ["bfloat16"]
+    assert facts["float32/saved_model"]["variable_dtypes"] == ["float32"]
+    for precision in ("float32", "float16", "bfloat16"):
+        saved_model = facts[f"{precision}/saved_model"]
+        assert saved_model["input_dtype"] == "float32"
+        assert saved_model["output_dtypes"] == {"probabilities": "float32"}
+
+
+def test_tflite_has_no_flex_ops_and_runs_in_litert(exported):
+    if importlib.util.find_spec("ai_edge_litert") is None:
+        pytest.skip("ai-edge-litert is not installed (pip install tfmp[litert]); tf.lite ran the files")
+    for precision in ("float32", "float16", "bfloat16"):
+        tflite = exported["facts"][f"{precision}/tflite"]
+        assert tflite["interpreter"].startswith("ai_edge_litert"), tflite
+        assert not [op for op in tflite["ops"] if op.startswith("Flex") or op == "CUSTOM"], tflite["ops"]
+        assert tflite["input_dtype"] == tflite["output_dtype"] == "float32"
+    sizes = {p: os.path.getsize(os.path.join(exported["run_dir"], "export", p, "model.tflite"))
+             for p in ("float32", "float16")}
+    assert sizes["float16"] <= 0.52 * sizes["float32"], sizes
+
+
+def test_export_dir_describes_itself_and_the_table(exported):
+    export_root = os.path.join(exported["run_dir"], "export")
+    assert sorted(os.listdir(export_root)) == ["bfloat16", "float16", "float32"]  # no partial dirs
+    report = json.load(open(os.path.join(export_root, "float16", "export.json")))
+    assert report["preprocessing"]["image_shape"] == [IMAGE_SIZE, IMAGE_SIZE, 3]
+    assert report["class_names"] == list(data.SHAPES_CLASS_NAMES)
+    assert report["batch_norms_folded"] == 19 and report["compared_with"].endswith("eval images of shapes")
+    assert [row["format"] for row in report["artifacts"]] == ["saved_model", "tflite", "keras"]
+    for row in report["artifacts"]:
+        assert row["size_bytes"] > 0 and row["max_abs_difference"] <= TOLERANCE["float16"]
+    table = exported["app_stdout"]
+    assert "max |diff| vs Keras float32" in table and "float16 weights, float32 compute" in table
+
+
+def test_failed_export_keeps_the_previous_one_and_leaves_no_partial_dir(exported, monkeypatch):
+    export_root = os.path.join(exported["run_dir"], "export")
+    before = os.path.getmtime(os.path.join(export_root, "float32", "export.json"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("converter crashed")
+
+    monkeypatch.setattr(export, "write_tflite", broken)
+    with pytest.raises(RuntimeError):
+        export.export_run(exported["run_dir"], formats=["keras", "tflite"], precision="float32", eval_batches=1)
+    assert sorted(os.listdir(export_root)) == ["bfloat16", "float16", "float32"]
+    assert os.path.getmtime(os.path.join(export_root, "float32", "export.json")) == before
+
+
+@pytest.mark.parametrize("formats, precision, message", [
+    (["saved_model", "onnx"], "float32", "unknown format 'onnx'"),
+    (["tflite"], "int8", "unknown precision 'int8'"),
+])
+def test_unknown_format_or_precision_is_refused_before_writing(tmp_path, formats, precision, message):
+    with pytest.raises(UsageError, match=message):
+        export.export_run(str(tmp_path), formats, precision)
+    assert os.listdir(tmp_path) == []
+
+
+def test_app_refuses_a_run_dir_without_a_model_in_one_line(tmp_path):
+    (tmp_path / "flags.txt").write_text("--dataset=shapes\n")
+    result = run_python(["-m", "apps.export", f"--model_dir={tmp_path}", "--precision=bfloat16"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds no model.keras" in errors[0] and "Traceback" not in result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["flags.txt"]
