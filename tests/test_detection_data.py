@@ -1,0 +1,245 @@
+"""Tests for tfmp.detection.data/.sources/.shapes: built-in scenes, box-aware augmentation,
+COCO-format folders the tests write, TFDS VOC (mocked), eval padding and sharding.
+
+Tiny images (64 px) and a few examples each; the file runs in well under a minute on CPU.
+"""
+
+import functools
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from PIL import Image
+
+from tfmp.detection import boxes, data, shapes
+from tfmp.errors import UsageError
+
+tfds.disable_progress_bar()
+SIZE = 64
+ANCHORS = boxes.generate_anchors(SIZE, boxes.AnchorConfig(levels=(3, 4, 5)))
+
+
+def _context(pipelines, pipeline_id, replicas):
+    return tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=pipeline_id,
+                                      num_replicas_in_sync=replicas)
+
+
+# ----------------------------------------------------------------------------- built-in scenes
+def test_shapes_scenes_are_deterministic_with_boxes_on_the_drawn_pixels():
+    info = data.describe("shapes", image_size=SIZE)
+    assert info.num_classes == len(shapes.CLASS_NAMES) == len(info.class_names)
+    first, _ = data.load("shapes", "eval", 8, anchors=ANCHORS, image_size=SIZE)
+    again, _ = data.load("shapes", "eval", 8, anchors=ANCHORS, image_size=SIZE)
+    (images, labels, truth), (images_again, _, _) = next(iter(first)), next(iter(again))
+    np.testing.assert_array_equal(images, images_again)
+    assert images.dtype == tf.float32 and images.shape == (8, SIZE, SIZE, 3)
+    assert labels["classes"].shape == (8, ANCHORS.shape[0]) and labels["boxes"].shape[-1] == 5
+    counts = (truth["classes"].numpy() >= 0).sum(1)
+    assert counts.min() >= 1 and counts.max() <= data.SHAPES_MAX_SHAPES and len(set(counts)) > 1
+    valid = truth["boxes"].numpy()[truth["classes"].numpy() >= 0]
+    assert valid.min() >= 0 and valid.max() <= SIZE and (valid[:, 2:] > valid[:, :2]).all()
+    # Every positive anchor's class is the class of a box of its image.
+    for row in range(8):
+        positive = set(labels["classes"][row].numpy()[labels["classes"][row].numpy() >= 0])
+        assert positive == set(truth["classes"][row].numpy()[counts[row] * [True] + [False] * (
+            data.SHAPES_MAX_SHAPES - counts[row])])
+
+
+def test_a_single_shape_box_bounds_exactly_the_pixels_that_differ_from_the_background():
+    for index in range(6):
+        image, scene_boxes, classes = shapes.draw_scene(tf.constant([5, index], tf.int64), SIZE, 1)
+        image, (x0, y0, x1, y1) = image.numpy(), scene_boxes[0].numpy().astype(int)
+        background = np.median(image[[0, -1]].reshape(-1, 3), axis=0)
+        differs = np.abs(image - background).max(-1) > 0.2  # shape contrast >= 0.25, noise 0.03
+        assert int(classes[0]) >= 0
+        outside = differs.copy()
+        outside[y0:y1, x0:x1] = False
+        assert outside.sum() <= 2  # anti-aliased edge pixels at most
+        assert differs[y0:y1, x0:x1].any(axis=1)[[0, -1]].all()  # top and bottom rows are ink
+        assert differs[y0:y1, x0:x1].any(axis=0)[[0, -1]].all()
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_flip_and_scale_jitter_move_boxes_with_the_pixels(index):
+    # An image whose only ink is the box itself: after augmenting, the ink must be the box.
+    source_size = 48 + 8 * index
+    box = np.array([[6, 10, 30, 40]], np.float32)
+    mask = np.zeros([source_size, 40 + 4 * index, 3], np.float32)
+    mask[10:40, 6:30] = 1.0
+    image, moved, classes, scale = data.fit_to_square(
+        tf.constant(mask), tf.constant(box), tf.constant([0]), SIZE,
+        key=tf.constant([3, index], tf.int64))
+    ink = image.numpy()[..., 0] > 0.5
+    if int(classes[0]) < 0:  # mostly cropped away: dropped
+        assert not moved.numpy().any()
+        return
+    rows, columns = np.nonzero(ink.any(1))[0], np.nonzero(ink.any(0))[0]
+    drawn = [columns[0], rows[0], columns[-1] + 1, rows[-1] + 1]
+    np.testing.assert_allclose(moved.numpy()[0], drawn, atol=1.5)
+    zoom = max(mask.shape[:2]) / float(scale) / SIZE
+    assert data.SCALE_JITTER[0] - 1e-6 <= zoom <= data.SCALE_JITTER[1] + 1e-6
+
+
+def test_augmented_training_stream_resumes_and_shards_late():
+    full, policy = data.load("shapes", "train", 4, anchors=ANCHORS, image_size=SIZE, augment=True)
+    assert policy == "OFF"
+    images = np.concatenate([x.numpy() for x, _ in full.take(2)])
+    resumed, _ = data.load("shapes", "train", 4, anchors=ANCHORS, image_size=SIZE, augment=True,
+                           skip_examples=4)
+    np.testing.assert_array_equal(next(iter(resumed))[0], images[4:])
+    halves = [next(iter(data.load("shapes", "train", 4, anchors=ANCHORS, image_size=SIZE,
+                                  augment=True, input_context=_context(2, i, 2))[0]))[0].numpy()
+              for i in range(2)]
+    np.testing.assert_array_equal(halves[0], images[0:4:2])  # pipeline 0 takes every 2nd example
+    np.testing.assert_array_equal(halves[1], images[1:4:2])
+
+
+def test_eval_split_is_padded_so_every_image_counts_once_on_two_pipelines():
+    ids = []
+    for pipeline in range(2):
+        dataset, policy = data.load("shapes", "eval", 64, anchors=ANCHORS, image_size=SIZE,
+                                    input_context=_context(2, pipeline, 2))
+        assert policy == "DATA"
+        batches = list(dataset)
+        assert len(batches) == 8  # 250 images per pipeline -> 8 batches of 32
+        for _, labels, truth in batches:
+            padding = ~truth["valid"].numpy()
+            assert (labels["classes"].numpy()[padding] == boxes.IGNORE).all()
+            ids += truth["image_id"].numpy()[~padding].tolist()
+    assert sorted(ids) == list(range(data.SHAPES_EVAL_EXAMPLES))
+
+
+def test_unknown_dataset_and_bad_sizes_are_usage_errors():
+    for bad in ("circles", "coco", "folder:x"):
+        with pytest.raises(UsageError, match="unknown detection dataset"):
+            data.describe(bad)
+    with pytest.raises(UsageError, match="image_size"):
+        data.describe("shapes", image_size=8)
+    with pytest.raises(UsageError, match="global_batch_size"):
+        data.load("shapes", "train", 0, anchors=ANCHORS, image_size=SIZE)
+
+
+# ----------------------------------------------------------------------------- COCO format
+def _write_coco(root, split, sizes, annotations, categories=((5, "cat"), (9, "dog"))):
+    os.makedirs(os.path.join(root, split), exist_ok=True)
+    os.makedirs(os.path.join(root, "annotations"), exist_ok=True)
+    images = []
+    for image_id, (height, width) in enumerate(sizes, start=1):
+        name = f"{image_id:03d}.png"
+        pixels = np.full([height, width, 3], 40, np.uint8)
+        Image.fromarray(pixels).save(os.path.join(root, split, name))
+        images.append({"id": image_id, "file_name": name, "height": height, "width": width})
+    content = {"images": images, "categories": [{"id": i, "name": n} for i, n in categories],
+               "annotations": [{"id": i, "image_id": image_id, "category_id": category,
+                                "bbox": bbox, "iscrowd": crowd, "area": 0}
+                               for i, (image_id, category, bbox, crowd) in enumerate(annotations)]}
+    path = os.path.join(root, "annotations", f"instances_{split}.json")
+    with open(path, "w") as handle:
+        json.dump(content, handle)
+    return path
+
+
+def test_coco_folder_maps_categories_scales_boxes_and_skips_crowds(tmp_path):
+    root = str(tmp_path)
+    _write_coco(root, "train2017", [(32, 64), (64, 64)],
+                [(1, 9, [8, 4, 16, 8], 0), (2, 5, [0, 0, 32, 32], 0), (2, 5, [1, 1, 5, 5], 1)])
+    _write_coco(root, "val2017", [(128, 64)], [(1, 9, [10, 20, 30, 40], 0)])
+    info = data.describe(f"coco:{root}", image_size=SIZE)
+    assert info.class_names == ("cat", "dog") and (info.train_examples, info.eval_examples) == (2, 1)
+    evaluation, _ = data.load(f"coco:{root}", "eval", 2, anchors=ANCHORS, image_size=SIZE)
+    (images, labels, truth), = list(evaluation)
+    assert truth["valid"].numpy().tolist() == [True, False]
+    assert truth["classes"][0, :2].numpy().tolist() == [1, -1]  # dog (id 9) is class 1
+    np.testing.assert_allclose(truth["boxes"][0, 0], [5, 10, 20, 30])  # 128x64 -> 64x32
+    assert float(truth["scale"][0]) == 2.0 and images[0, :, 32:].numpy().max() == 0.0
+    assert (labels["classes"].numpy()[0] == 1).any()
+    train, _ = data.load(f"coco:{root}", "train", 2, anchors=ANCHORS, image_size=SIZE, augment=True)
+    for images, labels in train.take(2):
+        assert images.shape == (2, SIZE, SIZE, 3) and (labels["classes"].numpy() >= 0).any()
+
+
+def test_single_coco_json_holds_out_every_tenth_image(tmp_path):
+    written = _write_coco(str(tmp_path), "images", [(32, 32)] * 20,
+                          [(i, 5, [2, 2, 20, 20], 0) for i in range(1, 21)])
+    with open(written) as handle:  # a labelling tool's export: file_names relative to the JSON
+        content = json.load(handle)
+    for image in content["images"]:
+        image["file_name"] = "images/" + image["file_name"]
+    path = os.path.join(tmp_path, "export.json")
+    with open(path, "w") as handle:
+        json.dump(content, handle)
+    info = data.describe(f"coco:{path}", image_size=SIZE)
+    assert (info.train_examples, info.eval_examples) == (18, 2)
+    evaluation, _ = data.load(f"coco:{path}", "eval", 2, anchors=ANCHORS, image_size=SIZE)
+    assert next(iter(evaluation))[2]["valid"].numpy().all()
+
+
+@pytest.mark.parametrize("bbox, message", [([1, 1, -4, 5], "negative width or height"),
+                                           ([1, 1, 4], "bad bbox"),
+                                           ([1, "a", 4, 4], "bad bbox")])
+def test_malformed_coco_boxes_are_one_line_usage_errors(tmp_path, bbox, message):
+    _write_coco(str(tmp_path), "train2017", [(32, 32)], [(1, 5, bbox, 0)])
+    with pytest.raises(UsageError, match=message) as error:
+        data.describe(f"coco:{tmp_path}")
+    assert "\n" not in str(error.value) and "instances_train2017.json" in str(error.value)
+
+
+def test_coco_json_with_missing_images_or_no_annotations_is_a_usage_error(tmp_path):
+    _write_coco(str(tmp_path), "train2017", [(32, 32), (32, 32)], [(1, 5, [1, 1, 4, 4], 0)])
+    os.remove(os.path.join(tmp_path, "train2017", "002.png"))
+    with pytest.raises(UsageError, match=r"1 image\(s\) .* missing, e.g. .*002.png"):
+        data.describe(f"coco:{tmp_path}")
+    with pytest.raises(UsageError, match="does not exist"):
+        data.describe(f"coco:{tmp_path}/nowhere")
+    with pytest.raises(UsageError, match="instances_train2017.json"):
+        data.describe(f"coco:{tmp_path}/train2017")
+
+
+# ----------------------------------------------------------------------------- TFDS (mocked)
+def _fake_voc(self, split, decoders=None, **_):
+    """VOC-shaped examples with consistent object counts (tfds' random mock draws each object
+    field with its own length, which its own Sequence encoder then rejects)."""
+    features = self.info.features
+    specs = tf.nest.map_structure(lambda spec: tf.TensorSpec(spec.shape, spec.dtype),
+                                  features.get_serialized_info())
+
+    def examples():
+        for index in range(5 if split == "test" else 7):
+            count = index % 3 + 1
+            yield features.encode_example({
+                "image": np.full([40 + index, 80, 3], 90, np.uint8), "image/filename": f"{index}",
+                "labels": [index % 20] * count, "labels_no_difficult": [index % 20] * count,
+                "objects": {"bbox": [tfds.features.BBox(0.1, 0.2, 0.6, 0.7)] * count,
+                            "label": [index % 20] * count, "is_difficult": [False] * count,
+                            "is_truncated": [False] * count, "pose": [0] * count}})
+
+    dataset = tf.data.Dataset.from_generator(examples, output_signature=specs)
+    return dataset.map(functools.partial(features.decode_example, decoders=decoders))
+
+
+def test_tfds_voc_decodes_relative_yxyx_boxes_offline():
+    with tfds.testing.mock_data(as_dataset_fn=_fake_voc):
+        info = data.describe("tfds:voc/2007", image_size=SIZE)
+        assert info.num_classes == 20 and info.class_names[0] == "aeroplane"
+        evaluation, _ = data.load("tfds:voc/2007", "eval", 4, anchors=ANCHORS, image_size=SIZE)
+        batches = list(evaluation)
+        train, _ = data.load("tfds:voc/2007", "train", 4, anchors=ANCHORS, image_size=SIZE,
+                             augment=True)
+        train_images, _ = next(iter(train))
+    assert len(batches) == 2 and train_images.shape == (4, SIZE, SIZE, 3)
+    truth = batches[0][2]
+    assert truth["valid"].numpy().all() and truth["classes"][1, :3].numpy().tolist() == [1, 1, -1]
+    # bbox (ymin .1, xmin .2, ymax .6, xmax .7) of an 80-wide, 40-high image scaled by 64/80
+    np.testing.assert_allclose(truth["boxes"][0, 0], [12.8, 3.2, 44.8, 19.2], atol=1e-4)
+    assert sorted(np.concatenate([b[2]["image_id"].numpy() for b in batches]).tolist()) == [
+        -1, -1, -1, 0, 1, 2, 3, 4]
+
+
+def test_tfds_dataset_that_is_not_detection_is_a_usage_error():
+    with pytest.raises(UsageError, match="not object detection"):
+        data.describe("tfds:mnist")
+    with pytest.raises(UsageError, match="unknown tfds dataset"):
+        data.describe("tfds:no_such_dataset_here")
