@@ -1,0 +1,97 @@
+"""apps.predict and tfmp.inference: training's preprocessing, top-k with class names, refusals.
+
+One tiny seed_cnn run (16x16 shapes) and its float16 .tflite export; the app runs twice in a
+fresh process (a good pair of images, and a pair with one undecodable file).
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import run_python
+from tfmp import data, export, inference, models
+from tfmp.errors import UsageError
+
+pytestmark = pytest.mark.slow  # fresh processes
+IMAGE_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run dir (model.keras + flags.txt, as train.py writes them), two PNGs and a broken one."""
+    root = tmp_path_factory.mktemp("predict")
+    run_dir = root / "run"
+    run_dir.mkdir()
+    keras.utils.set_random_seed(2)
+    model = models.build("seed_cnn", (IMAGE_SIZE, IMAGE_SIZE, 3), 10)
+    model.save(run_dir / "model.keras")
+    (run_dir / "flags.txt").write_text(f"--model=seed_cnn\n--dataset=shapes\n--image_size={IMAGE_SIZE}\n")
+    images = next(iter(data.load("shapes", "eval", 2, image_size=IMAGE_SIZE, training=False)[0]))[0]
+    paths = []
+    for index, image in enumerate(images):
+        path = root / f"shape{index}.png"
+        path.write_bytes(tf.io.encode_png(tf.image.convert_image_dtype(image, tf.uint8)).numpy())
+        paths.append(str(path))
+    bigger = root / "bigger.jpg"  # not the training size: predict must resize it
+    bigger.write_bytes(tf.io.encode_jpeg(tf.cast(tf.fill([40, 30, 3], 200), tf.uint8)).numpy())
+    broken = root / "broken.png"
+    broken.write_text("not an image")
+    export.export_run(str(run_dir), formats=["tflite"], precision="float16", eval_batches=1)
+    return {"run_dir": str(run_dir), "model": model, "images": images.numpy(), "pngs": paths,
+            "jpg": str(bigger), "broken": str(broken)}
+
+
+def test_predict_prints_top_k_with_class_names_one_json_line_per_image(run):
+    result = run_python(["-m", "apps.predict", f"--model={run['run_dir']}", "--top_k=3", *run["pngs"], run["jpg"]])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [line["image"] for line in lines] == [*run["pngs"], run["jpg"]]
+    expected = run["model"](run["images"]).numpy()  # the training-pipeline pixels (PNG is lossless to 1/255)
+    for line, probabilities in zip(lines, expected):
+        top = line["top_k"]
+        assert len(top) == 3 and [entry["probability"] for entry in top] == sorted(
+            [entry["probability"] for entry in top], reverse=True)
+        assert top[0]["class"] == int(np.argmax(probabilities))
+        assert top[0]["name"] == data.SHAPES_CLASS_NAMES[top[0]["class"]]
+        assert abs(top[0]["probability"] - probabilities.max()) < 1e-2
+
+
+def test_undecodable_image_exits_2_with_one_line_and_no_predictions(run):
+    result = run_python(["-m", "apps.predict", f"--model={run['run_dir']}", run["pngs"][0], run["broken"]])
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "broken.png" in errors[0] and "Traceback" not in result.stderr
+    assert result.stdout.strip() == ""
+
+
+def test_read_images_is_the_training_preprocessing(run):
+    pixels = inference.read_images(run["pngs"], inference.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3))
+    assert pixels.dtype == np.float32 and pixels.shape == run["images"].shape
+    assert np.abs(pixels - run["images"]).max() <= 1 / 255 + 1e-6  # the 8-bit PNG only
+    resized = inference.read_images([run["jpg"]], inference.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3))
+    assert resized.shape == (1, IMAGE_SIZE, IMAGE_SIZE, 3) and 0.0 <= resized.min() <= resized.max() <= 1.0
+
+
+def test_tflite_export_predicts_like_the_run_with_its_own_metadata(run):
+    tflite = os.path.join(run["run_dir"], "export", "float16", "model.tflite")
+    predictor = inference.load(tflite)
+    assert predictor.format == "tflite" and predictor.class_names == data.SHAPES_CLASS_NAMES
+    assert predictor.preprocessing == inference.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3)
+    expected = run["model"](run["images"]).numpy()
+    assert np.abs(predictor.predict(run["images"]) - expected).max() < 1e-2  # float16 weights
+    top = inference.top_k(predictor.predict(run["images"][:1])[0], 2, predictor.class_names)
+    assert [entry["class"] for entry in top] == list(np.argsort(-expected[0])[:2])
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda root: root / "missing", "does not exist"),
+    (lambda root: root, "holds no model"),
+    (lambda root: (root / "notes.txt").write_text("x") and root / "notes.txt", "neither .tflite nor .keras"),
+])
+def test_loading_something_that_is_not_a_model_is_one_usage_error(tmp_path, make, message):
+    with pytest.raises(UsageError, match=message):
+        inference.load(str(make(tmp_path)))
