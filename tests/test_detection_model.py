@@ -165,3 +165,20 @@ def test_drawn_detections_are_a_png_with_coloured_boxes(tmp_path):
     assert tuple(picture[79, 119]) == (128, 128, 128)  # untouched
     with pytest.raises(UsageError, match="shape"):
         visualize.render(np.zeros([4, 4]), [], [])
+
+
+def test_plain_fit_on_two_replicas_ends_with_the_single_device_weights(mirrored):
+    images, labels = batch()
+    dataset = tf.data.Dataset.from_tensors((images, labels)).repeat(3)
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = build_detector("retinanet_tiny", SIZE, CLASSES, dtype="float32")
+            model.compile(keras.optimizers.SGD(0.1),
+                          loss={"classes": losses.ClassLoss(), "boxes": losses.BoxLoss()})
+        model.fit(dataset, epochs=1, verbose=0)
+        return model.get_weights()
+
+    for one, two in zip(train(tf.distribute.get_strategy()), train(mirrored)):
+        np.testing.assert_allclose(two, one, atol=1e-5)

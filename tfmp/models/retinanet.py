@@ -6,7 +6,7 @@ Provides:
   a backbone giving C3-C5 (strides 8, 16, 32), an FPN with P3-P5 from a top-down pathway and
   P6/P7 from stride-2 convs on C5 / relu(P6) (the paper's layout; any consecutive run of levels
   starting at 3 up to 7), and class and box subnets whose layers are SHARED across levels.
-* `DETECTORS`: "retinanet_tiny" (a small conv backbone with batch norm, P3-P5, 64-wide heads of
+* `DETECTORS`: "retinanet_tiny" (a small conv backbone with group norm, P3-P5, 64-wide heads of
   depth 2: trains on CPU in minutes) and "retinanet_resnet50" (tfmp's ResNet-50 v1.5 C3-C5,
   P3-P7, 256-wide heads of depth 4, as in the paper).
 * `build_detector(name, image_size, num_classes, dtype=None, **options)` and
@@ -36,27 +36,46 @@ import keras
 from tfmp.detection.boxes import AnchorConfig
 from tfmp.errors import UsageError, unknown
 from tfmp.models.cnn import functional_model, image_input
-from tfmp.models.resnet import _conv_bn, _regularizer, resnet50
+from tfmp.models.resnet import resnet50
 
 CLASS_PRIOR = 0.01
 TINY_BACKBONE_WIDTHS = (16, 32, 64, 96, 128)  # strides 2, 4, 8 (C3), 16 (C4), 32 (C5)
+TINY_NORM_GROUPS = 8
 # ResNet-50's last block of stages 2-4 gives C3-C5 (strides 8, 16, 32).
 RESNET50_FEATURE_BLOCKS = ("stage2_block4", "stage3_block6", "stage4_block3")
 
 
+def _regularizer(weight_decay):
+    if weight_decay < 0:
+        raise UsageError(f"weight_decay must be >= 0, got {weight_decay}")
+    # The SGD convention of tfmp.models.resnet: the gradient gains weight_decay * kernel.
+    return keras.regularizers.L2(weight_decay / 2) if weight_decay else None
+
+
+def _conv_group_norm(x, width, stride, name, dtype, regularizer):
+    """3x3 conv -> GroupNorm -> relu. Group norm, not batch norm: its statistics are per image,
+    so N replicas compute exactly what one device computes for the global batch (batch norm
+    would normalise each replica's share on its own), at any batch size."""
+    x = _conv(width, 3, f"{name}_conv", dtype, regularizer, stride=stride, use_bias=False,
+              kernel_initializer="he_normal")(x)
+    x = keras.layers.GroupNormalization(TINY_NORM_GROUPS, dtype=dtype, name=f"{name}_gn")(x)
+    return keras.layers.Activation("relu", dtype=dtype, name=f"{name}_relu")(x)
+
+
 def _tiny_backbone(images, name, dtype, regularizer, widths=TINY_BACKBONE_WIDTHS):
-    """Five stride-2 stages of two 3x3 conv-bn-relu layers each; returns [C3, C4, C5]."""
+    """Five stride-2 stages of two 3x3 conv-gn-relu layers each; returns [C3, C4, C5]."""
     x, features = images, []
     for stage, width in enumerate(widths, start=1):
-        x = _conv_bn(x, width, 3, 2, f"{name}_backbone_stage{stage}_1", dtype, regularizer)
-        x = _conv_bn(x, width, 3, 1, f"{name}_backbone_stage{stage}_2", dtype, regularizer)
+        x = _conv_group_norm(x, width, 2, f"{name}_backbone_stage{stage}_1", dtype, regularizer)
+        x = _conv_group_norm(x, width, 1, f"{name}_backbone_stage{stage}_2", dtype, regularizer)
         if stage >= 3:
             features.append(x)
     return images, features
 
 
 def _resnet50_backbone(image_size, name, dtype, weight_decay):
-    """tfmp's ResNet-50 graph, cut at C3-C5 (its pooling and classifier are left out)."""
+    """tfmp's ResNet-50 graph, cut at C3-C5 (its pooling and classifier are left out). Its batch
+    norm normalises each replica's share of the batch (16 images per GPU in the COCO config)."""
     classifier = resnet50((image_size, image_size, 3), 2, dtype=dtype, name=f"{name}_backbone",
                           weight_decay=weight_decay)
     features = [classifier.get_layer(f"{name}_backbone_{block}_out").output
