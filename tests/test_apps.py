@@ -35,6 +35,9 @@ def test_classify_builtin_default_with_mixed(tmp_path):
     assert "precision mixed_" in summary and "30 steps" in summary
     assert (tmp_path / "model.keras").exists() and (tmp_path / "flags.txt").exists()
     assert "--precision=mixed" in (tmp_path / "flags.txt").read_text()
+    # TensorFlow's own INFO lines (checkpoint sharding, collectives) stay out of an app's output.
+    assert "Sharding callback" not in result.stdout + result.stderr
+    assert "functional_saver" not in result.stdout + result.stderr
 
 
 def test_mnist_builtin_default_is_mirrored_over_all_cores(tmp_path):

@@ -243,3 +243,16 @@ def test_tfds_dataset_that_is_not_detection_is_a_usage_error():
         data.describe("tfds:mnist")
     with pytest.raises(UsageError, match="unknown tfds dataset"):
         data.describe("tfds:no_such_dataset_here")
+
+
+def test_read_image_for_prediction(tmp_path):
+    path = str(tmp_path / "wide.png")
+    Image.fromarray(np.full([50, 100, 3], 255, np.uint8)).save(path)
+    image, scale, original = data.read_image(path, SIZE)
+    assert image.shape == (SIZE, SIZE, 3) and original.shape == (50, 100, 3)
+    assert scale == pytest.approx(100 / SIZE) and float(image[SIZE - 1, 0, 0]) == 0.0
+    with pytest.raises(UsageError, match="does not exist"):
+        data.read_image(str(tmp_path / "missing.jpg"), SIZE)
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    with pytest.raises(UsageError, match="cannot decode"):
+        data.read_image(str(tmp_path / "bad.png"), SIZE)

@@ -93,6 +93,21 @@ def test_two_workers_match_one_process_and_only_the_chief_writes(tmp_path):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
 
 
+def test_apps_train_multi_worker_under_the_launcher_without_extra_flags(tmp_path):
+    """apps.mnist defaults to MirroredStrategy; started by the launcher it must go multi-worker,
+    pick a run dir both workers share, and end without a shutdown error."""
+    command = [sys.executable, "-m", "tfmp.launch", "--workers=2", "--", sys.executable, "-m", "apps.mnist",
+               "--steps=4", "--steps_per_epoch=4"]
+    result = subprocess.run(command, cwd=tmp_path, env=dict(_env(tmp_path), PYTHONPATH=ROOT), text=True,
+                            capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = _summaries(result.stdout)
+    assert set(summaries) == {0, 1} and "2 replica(s) on 2 worker(s)" in summaries[0]
+    runs = os.listdir(tmp_path / "runs")
+    assert len(runs) == 1 and (tmp_path / "runs" / runs[0] / "model.keras").exists()
+    assert not re.search(r"heartbeat|UNAVAILABLE|Traceback", result.stdout + result.stderr, re.IGNORECASE)
+
+
 def test_killed_worker_restarts_group_from_last_checkpoint(tmp_path):
     command = _launch(tmp_path, ["--steps=120", "--steps_per_epoch=120", "--checkpoint_every=20"],
                       "--max_restarts=1")

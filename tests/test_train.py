@@ -64,13 +64,31 @@ def test_nonfinite_float32_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
             assert tf.reduce_all(tf.math.is_finite(tf.cast(reader.get_tensor(name), tf.float32)))
 
 
-def test_corrupt_checkpoint_is_a_usage_error(tmp_path):
-    train_and_evaluate(_config(tmp_path, steps=3))
+@pytest.mark.parametrize("damaged", [".index", ".data-00000-of-00001"])
+def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, damaged, caplog):
+    train_and_evaluate(_config(tmp_path, steps=6))  # keeps ckpt-3 and ckpt-6
+    newest = tmp_path / checkpoint.SUBDIR / f"ckpt-6{damaged}"
+    newest.write_bytes(newest.read_bytes()[: len(newest.read_bytes()) // 2])  # truncated
+    summary = train_and_evaluate(_config(tmp_path, steps=9))
+    assert summary["steps"] == 9
+    card = json.load(open(tmp_path / "run_card.json"))
+    assert card["steps"].endswith("from step 3")  # ckpt-6 was skipped, ckpt-3 restored
+    assert "skipped checkpoint" in caplog.text and "ckpt-6" in caplog.text
+
+
+def test_no_readable_checkpoint_is_a_usage_error(tmp_path):
+    train_and_evaluate(_config(tmp_path, steps=6))
     for name in os.listdir(tmp_path / checkpoint.SUBDIR):
         if name.endswith(".index"):
             (tmp_path / checkpoint.SUBDIR / name).write_bytes(b"garbage")
-    with pytest.raises(UsageError, match="cannot be restored.*fresh --model_dir"):
-        train_and_evaluate(_config(tmp_path, steps=6))
+    with pytest.raises(UsageError, match="no checkpoint in .* can be restored.*ckpt-6.*ckpt-3.*fresh --model_dir"):
+        train_and_evaluate(_config(tmp_path, steps=9))
+
+
+def test_resume_with_another_global_batch_is_refused_naming_both(tmp_path):
+    train_and_evaluate(_config(tmp_path, steps=3))
+    with pytest.raises(UsageError, match="trained with global batch 32, this run uses 16.*--global_batch_size=32"):
+        train_and_evaluate(_config(tmp_path, steps=6, global_batch_size=16))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -86,6 +104,7 @@ def test_corrupt_checkpoint_is_a_usage_error(tmp_path):
     ({"global_batch_size": 0}, "global_batch_size=0 must be positive"),
     ({"lr_scaling": "cubic"}, "unknown lr scaling rule 'cubic'"),
     ({"model": "lenet", "image_size": 12, "dataset": "shapes"}, "needs images of at least 16x16"),
+    ({"cpu_replicas": -1}, "--cpu_replicas=-1 must be 0"),
 ])
 def test_user_errors_leave_nothing_behind(tmp_path, overrides, message):
     model_dir = tmp_path / "run"

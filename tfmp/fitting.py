@@ -195,6 +195,7 @@ def fit(model: keras.Model, x=None, y=None, *, batch_size: int | None = None, ep
                 checkpoints=checkpoints, evaluate=evaluate if validation else None, callbacks=callbacks)
     try:
         result = loop.run(start_step)
+        distribute.barrier(strategy)
     finally:
         reporter.close()
         if checkpoints:

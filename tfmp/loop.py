@@ -131,6 +131,8 @@ class Loop:
         last_eval = self._evaluate(step) if self.evaluate is not None else None
         self._save(step)
         epoch_logs = dict(logs)
+        if self.dynamic_scaling:
+            epoch_logs["loss_scale"] = precision.current_loss_scale(self.optimizer)
         epoch_logs.update({f"val_{name}": value for name, value in (last_eval or {}).items()})
         self.callbacks.on_epoch_end(epoch, epoch_logs)
         return step, last_eval
@@ -163,8 +165,9 @@ class Loop:
         self._first_call = False
         if result.nonfinite_steps and not self.dynamic_scaling:
             where = f"the last good checkpoint in {self.checkpoints.directory} is kept; " if self.checkpoints else ""
+            compute = ", ".join(sorted(precision.model_compute_dtypes(self.engine.model)))
             raise TrainingDiverged(
-                f"loss became non-finite at step {step} (loss scale: "
+                f"loss became non-finite at step {step} computing in {compute} (loss scale: "
                 f"{precision.loss_scale_mode(self.optimizer)}); training stopped, {where}lower the learning rate")
         if self.dynamic_scaling and precision.current_loss_scale(self.optimizer) < 1.0:
             raise TrainingDiverged(f"loss scale fell below 1 at step {step}: gradients are non-finite "

@@ -1,0 +1,77 @@
+"""A user's training script, run as one process, on 2 replicas or as 2 workers of tfmp.launch.
+
+    python tests/fit_worker.py                                          # one device
+    python -m tfmp.launch --workers=2 -- python tests/fit_worker.py     # two workers
+
+The TensorFlow multi-worker tutorial's kind of model (logits, `from_logits=True`, SGD,
+`metrics=["accuracy"]`), shrunk to seconds, trained with `tfmp.fit`. Prints one JSON line:
+the per-step running losses and every weight, for tests/test_fit.py to compare.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfmp  # noqa: E402
+from tfmp import distribute  # noqa: E402
+
+GLOBAL_BATCH, STEPS = 16, 20
+
+
+def tutorial_model() -> keras.Model:
+    """The tutorial's CNN (Conv -> Flatten -> Dense -> Dense(10) logits) at 12x12."""
+    return keras.Sequential([
+        keras.Input((12, 12, 1)),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def compile_tutorial(model: keras.Model) -> keras.Model:
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def tutorial_data(examples=GLOBAL_BATCH * STEPS):
+    rng = np.random.default_rng(0)
+    images = rng.random((examples, 12, 12, 1), dtype=np.float32)
+    labels = (images.reshape(examples, -1)[:, :10].argmax(-1)).astype(np.int64)  # learnable
+    return images, labels
+
+
+class StepLosses(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+def main():
+    strategy = distribute.get_strategy("auto")
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = compile_tutorial(tutorial_model())
+    images, labels = tutorial_data()
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(GLOBAL_BATCH)
+    recorder = StepLosses()
+    history = tfmp.fit(model, dataset, epochs=1, callbacks=[recorder], verbose=0)
+    print(json.dumps({"losses": recorder.losses, "history": history.history,
+                      "replicas": strategy.num_replicas_in_sync,
+                      "weights": [w.numpy().ravel().tolist() for w in model.weights]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""tfmp.fit / tfmp.evaluate on a user's own compiled model: the numbers are model.fit's."""
+
+import json
+import os
+import re
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from conftest import ROOT, run_python
+from fit_worker import GLOBAL_BATCH, StepLosses, compile_tutorial, tutorial_data, tutorial_model
+from tfmp import precision
+from tfmp.errors import UsageError
+
+
+
+def _tutorial(strategy=None):
+    keras.utils.set_random_seed(0)
+    with (strategy or tf.distribute.get_strategy()).scope():
+        return compile_tutorial(tutorial_model())
+
+
+def _dataset(images, labels, *extra):
+    return tf.data.Dataset.from_tensor_slices((images, labels, *extra)).batch(GLOBAL_BATCH)
+
+
+def _weights(model):
+    return [w.numpy() for w in model.weights]
+
+
+def _single_device_reference():
+    """Keras' own model.fit on one device: per-step losses and final weights."""
+    images, labels = tutorial_data()
+    model, recorder = _tutorial(), StepLosses()
+    history = model.fit(_dataset(images, labels), epochs=1, callbacks=[recorder], verbose=0, shuffle=False)
+    return recorder.losses, history.history, _weights(model)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _single_device_reference()
+
+
+def test_fit_equals_model_fit_on_one_device(reference, tmp_path):
+    losses, history, weights = reference
+    images, labels = tutorial_data()
+    model, recorder = _tutorial(), StepLosses()
+    ours = tfmp.fit(model, _dataset(images, labels), epochs=1, callbacks=[recorder], verbose=0)
+    np.testing.assert_allclose(recorder.losses, losses, atol=1e-5)
+    assert set(ours.history) == set(history)  # same keys: loss, accuracy
+    assert ours.history["accuracy"] == pytest.approx(history["accuracy"], abs=1e-6)
+    for a, b in zip(_weights(model), weights):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_fit_on_two_replicas_equals_one_device(reference, mirrored):
+    losses, _, weights = reference
+    images, labels = tutorial_data()
+    model, recorder = _tutorial(mirrored), StepLosses()
+    tfmp.fit(model, _dataset(images, labels), epochs=1, callbacks=[recorder], verbose=0)
+    np.testing.assert_allclose(recorder.losses, losses, atol=1e-5)
+    for a, b in zip(_weights(model), weights):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    for weight in model.weights:  # both replicas hold the same values
+        copies = [v.numpy() for v in weight.value.values]
+        np.testing.assert_array_equal(copies[0], copies[1])
+
+
+def _two_output_model(strategy):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        inputs = keras.Input((6,), name="features")
+        hidden = keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3))(inputs)
+        model = keras.Model(inputs, {"kind": keras.layers.Dense(3, name="kind")(hidden),
+                                     "size": keras.layers.Dense(1, name="size")(hidden)})
+        model.compile(keras.optimizers.SGD(0.1),
+                      loss={"kind": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                            "size": keras.losses.MeanSquaredError()},
+                      loss_weights={"kind": 1.0, "size": 0.5}, metrics={"kind": ["accuracy"]})
+    return model
+
+
+def _two_output_data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+    y = {"kind": (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0), "size": x[:, 2:3] * 2.0}
+    weights = rng.uniform(0.2, 2.0, size=64).astype(np.float32)
+    return x, y, weights
+
+
+@pytest.mark.parametrize("replicated", [False, True], ids=["one_device", "two_replicas"])
+def test_two_outputs_dict_labels_loss_weights_and_sample_weight_equal_model_fit(mirrored, replicated):
+    x, y, sample_weight = _two_output_data()
+    keras_model = _two_output_model(tf.distribute.get_strategy())
+    expected = keras_model.fit(x, y, sample_weight=sample_weight, batch_size=16, epochs=2, shuffle=False,
+                               verbose=0).history
+    model = _two_output_model(mirrored if replicated else tf.distribute.get_strategy())
+    history = tfmp.fit(model, x, y, sample_weight=sample_weight, batch_size=16, epochs=2, shuffle=False,
+                       verbose=0).history
+    assert set(history) == set(expected)  # loss, kind_loss, size_loss, kind_accuracy
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for a, b in zip(_weights(model), _weights(keras_model)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_validation_and_evaluate_match_keras(reference):
+    images, labels = tutorial_data()
+    model = _tutorial()
+    history = tfmp.fit(model, images, labels, batch_size=GLOBAL_BATCH, shuffle=False, epochs=1,
+                       validation_data=(images[:40], labels[:40]), verbose=0).history
+    expected = model.evaluate(images[:40], labels[:40], batch_size=GLOBAL_BATCH, return_dict=True, verbose=0)
+    assert history["val_loss"][0] == pytest.approx(expected["loss"], rel=1e-5)
+    assert history["val_accuracy"][0] == pytest.approx(expected["accuracy"])
+    ours = tfmp.evaluate(model, images[:40], labels[:40], batch_size=GLOBAL_BATCH)
+    assert ours["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+
+def test_mixed_float16_model_gets_replica_safe_loss_scaling(mirrored, tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")  # as the mixed-precision article does
+    model = _tutorial(mirrored)
+    assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer  # Keras' own, from compile
+    images, labels = tutorial_data()
+    history = tfmp.fit(model, _dataset(images, labels), epochs=1, verbose=0, model_dir=str(tmp_path))
+    assert isinstance(model.optimizer, precision.LossScaleOptimizer)
+    assert history.history["loss_scale"] == [32768.0]
+    card = json.load(open(tmp_path / "run_card.json"))
+    assert "replaced Keras' LossScaleOptimizer" in card["tfmp changed"]
+    assert card["loss scale"].startswith("dynamic")
+    assert np.isfinite(history.history["loss"][0])
+    # An overflow on replica 1 alone (rows 8..15 of the global batch) skips the step on both.
+    before = [[v.numpy() for v in w.value.values] for w in model.trainable_weights]
+    poisoned = images[:GLOBAL_BATCH].copy()
+    poisoned[8:] = np.inf
+    tfmp.fit(model, _dataset(poisoned, labels[:GLOBAL_BATCH]), epochs=1, verbose=0)
+    for weight, copies in zip(model.trainable_weights, before):
+        for replica_value, start in zip(weight.value.values, copies):
+            np.testing.assert_array_equal(replica_value.numpy(), start)
+    assert precision.current_loss_scale(model.optimizer) == 16384.0
+
+
+def test_plain_optimizer_on_float16_model_is_wrapped():
+    keras.utils.set_random_seed(0)
+    model = tutorial_model()
+    mixed = keras.Sequential([keras.Input((12, 12, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(10, dtype="mixed_float16")])
+    mixed.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    images, labels = tutorial_data(32)
+    tfmp.fit(mixed, images, labels, batch_size=16, verbose=0)
+    assert isinstance(mixed.optimizer, precision.LossScaleOptimizer)
+    del model
+
+
+def test_resume_from_model_dir_continues_at_the_exact_step(reference, tmp_path):
+    _, _, weights = reference
+    images, labels = tutorial_data()
+    first = _tutorial()
+    # Stop after 12 of 20 steps, as a preempted run would: steps_per_epoch=12 in a first call.
+    tfmp.fit(first, _dataset(images, labels).take(12), epochs=1, verbose=0, model_dir=str(tmp_path))
+    resumed = _tutorial()
+    tfmp.fit(resumed, _dataset(images, labels), epochs=1, verbose=0, model_dir=str(tmp_path),
+             steps_per_epoch=20)
+    assert int(resumed.optimizer.iterations.numpy()) == 20
+    for a, b in zip(_weights(resumed), weights):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_bad_input_is_one_line_and_writes_nothing(mirrored, tmp_path):
+    images, labels = tutorial_data(48)
+    model_dir = tmp_path / "run"
+    uncompiled = tutorial_model()
+    cases = [
+        (lambda: tfmp.fit(uncompiled, images, labels, batch_size=16, model_dir=str(model_dir)),
+         "is not compiled; call model.compile"),
+        (lambda: tfmp.fit(_tutorial(mirrored), _dataset(images, labels).rebatch(15),
+                          model_dir=str(model_dir)), "global batch 15 is not divisible by 2 replicas"),
+        (lambda: tfmp.fit(_tutorial(), np.zeros((32, 9, 9, 1), np.float32), labels[:32], batch_size=16,
+                          model_dir=str(model_dir)), "the data do not fit model"),
+    ]
+    outside = _tutorial()
+    cases.append((lambda: _fit_in_scope(mirrored, outside, images, labels, model_dir),
+                  "was built outside the scope of the MirroredStrategy"))
+    for call, message in cases:
+        with pytest.raises(UsageError, match=message) as error:
+            call()
+        assert "\n" not in str(error.value)
+        assert not model_dir.exists()
+
+
+def _fit_in_scope(strategy, model, images, labels, model_dir):
+    with strategy.scope():
+        return tfmp.fit(model, images, labels, batch_size=16, model_dir=str(model_dir))
+
+
+@pytest.mark.slow
+def test_same_script_on_two_workers_equals_one_process(reference):
+    losses, _, weights = reference
+    result = run_python(["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "tests/fit_worker.py"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line.split("] ", 1)[1]) for line in result.stdout.splitlines()
+               if line.startswith("[worker") and "] {" in line]
+    assert len(records) == 2
+    for record in records:
+        assert record["replicas"] == 2
+        np.testing.assert_allclose(record["losses"], losses, atol=1e-5)
+        for got, want in zip(record["weights"], weights):
+            np.testing.assert_allclose(np.asarray(got), want.ravel(), atol=1e-5)
+    # The run ends at a barrier: no worker loses its coordination-service peer while finishing.
+    assert not re.search(r"heartbeat|UNAVAILABLE|Traceback", result.stdout + result.stderr, re.IGNORECASE)
