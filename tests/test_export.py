@@ -177,3 +177,27 @@ def test_app_refuses_a_run_dir_without_a_model_in_one_line(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "holds no model.keras" in errors[0] and "Traceback" not in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["flags.txt"]
+
+
+def test_pruned_model_exports_with_masks_stripped_and_zeros_kept(tmp_path):
+    from tfmp import pruning
+
+    keras.utils.set_random_seed(3)
+    model = models.build("seed_cnn", (IMAGE_SIZE, IMAGE_SIZE, 3), 10)
+    pruner = pruning.Pruner(model, pruning.ConstantSchedule(target_sparsity=0.5, begin_step=0, end_step=0))
+    pruner.update(0)
+    report = export.export(model, str(tmp_path), formats=["keras"], precision="bfloat16")
+    exported_model = keras.saving.load_model(os.path.join(report["directory"], "model.keras"), compile=False)
+    dense = exported_model.get_layer("seed_cnn_dense")
+    assert dense.kernel.constraint is None and dense.kernel.dtype == "bfloat16"
+    assert abs(float(np.mean(dense.kernel.numpy() == 0)) - 0.5) < 0.01
+    assert report["artifacts"][0]["max_abs_difference"] <= TOLERANCE["bfloat16"]
+
+
+def test_detector_export_is_refused_until_its_serving_builder_exists(tmp_path):
+    from tfmp.models.retinanet import build_detector
+
+    detector = build_detector("retinanet_tiny", 32, num_classes=3)
+    with pytest.raises(UsageError, match="is a detector .*SERVING_BUILDERS"):
+        export.export(detector, str(tmp_path / "out"), precision="float32")
+    assert not (tmp_path / "out").exists()

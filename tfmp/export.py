@@ -29,7 +29,9 @@ probabilities that top-k reports.
 
 Extension points: `SERVING_BUILDERS` maps a model kind to the function that builds its serving
 function (detectors, whose outputs are a dict of boxes/scores/classes, register "detector"
-there); `strip_for_inference` is where pruning wrappers are removed (`tfmp.pruning.strip`).
+there); `strip_for_inference` removes training-only state first: pruning masks and their
+kernel constraints (`tfmp.pruning.strip`, pruned weights baked in as zeros). (tfmp has no
+pipeline-split training yet; such a run must save one Keras model to export like any other.)
 """
 
 from __future__ import annotations
@@ -82,8 +84,9 @@ def model_kind(model: keras.Model) -> str:
 
 
 def strip_for_inference(model: keras.Model) -> keras.Model:
-    """Removes training-only wrappers; today pruning masks, via `tfmp.pruning.strip` if present."""
-    if importlib.util.find_spec("tfmp.pruning") is None:
+    """Removes training-only state: pruning masks via `tfmp.pruning.strip` (a no-op copy for an
+    unpruned model). New training-only wrappers get their strip call here."""
+    if importlib.util.find_spec("tfmp.pruning") is None:  # a checkout without pruning
         return model
     from tfmp import pruning
 
@@ -184,13 +187,18 @@ def _classifier_serving(model: keras.Model):
     return serve
 
 
-def _detector_serving(model: keras.Model):
-    raise UsageError(f"model {model.name!r} is a detector (dict outputs); detector export is not "
-                     "available yet: register its serving builder in tfmp.export.SERVING_BUILDERS")
+# model kind -> builder(inference copy) -> tf.function with one float32 input signature returning
+# a dict of float32 outputs. Detectors (dict outputs: boxes/scores/classes after NMS) register
+# "detector" here; `export` then also needs their outputs compared per key (see `_compare`).
+SERVING_BUILDERS = {"classifier": _classifier_serving}
 
 
-# model kind -> builder(inference copy) -> tf.function with one float32 input signature
-SERVING_BUILDERS = {"classifier": _classifier_serving, "detector": _detector_serving}
+def _check_kind(model: keras.Model) -> str:
+    kind = model_kind(model)
+    if kind not in SERVING_BUILDERS:
+        raise UsageError(f"model {model.name!r} is a {kind} (dict outputs); its export is not "
+                         f"available yet: register tfmp.export.SERVING_BUILDERS[{kind!r}]")
+    return kind
 
 
 def write_saved_model(model: keras.Model, path: str) -> None:
@@ -230,8 +238,8 @@ def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str 
     from tfmp import inference
 
     formats = check_request(formats, precision)
+    kind = _check_kind(model)
     model = strip_for_inference(model)
-    kind = model_kind(model)
     if reference_images is None:
         reference_images = np.random.default_rng(0).uniform(size=(64, *model.input.shape[1:]))
     reference_images = np.asarray(reference_images, np.float32)

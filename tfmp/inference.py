@@ -115,7 +115,9 @@ class KerasPredictor(Predictor):
             except Exception as error:  # a corrupt or foreign file: say which, not a traceback
                 raise UsageError(f"cannot load Keras model {path!r}: {str(error).splitlines()[0]}") from None
         self.model = model
-        self._call = tf.function(lambda images: model(images, training=False))
+        # One trace for every batch size (the benchmark alternates 1 and 64).
+        spec = tf.TensorSpec([None, *model.input.shape[1:]], tf.float32)
+        self._call = tf.function(lambda images: model(images, training=False), input_signature=[spec])
         super().__init__(path, metadata)
 
     def input_shape(self):
