@@ -51,11 +51,22 @@ flags.DEFINE_integer("seed", 0, "Seed for weights, shuffling and augmentation.")
 flags.DEFINE_float("startup_timeout", float(os.environ.get(STARTUP_TIMEOUT_ENV, 120)),
                    "Multi-worker: seconds to wait for every peer before failing (tfmp.launch sets it).")
 
+flags.DEFINE_float("prune_sparsity", 0.0, "Magnitude-prune Dense/Conv kernels (not the head) to this sparsity, e.g. 0.8; 0 = dense.")
+flags.DEFINE_string("prune_schedule", "polynomial", "polynomial (Zhu & Gupta) or constant.")
+flags.DEFINE_integer("prune_begin_step", 0, "First step at which masks are computed.")
+flags.DEFINE_integer("prune_end_step", 0, "Step at which the target sparsity is reached; 0: two thirds into the run.")
+flags.DEFINE_integer("prune_every", 100, "Steps between mask updates.")
+flags.DEFINE_integer("intra_op_threads", 0, "Threads that split one op (0: TensorFlow's default, one per core).")
+flags.DEFINE_integer("inter_op_threads", 0, "Threads that run independent ops at once (0: TensorFlow's default).")
+flags.DEFINE_integer("data_threads", 0, "tf.data's private thread pool for the input pipeline (0: the shared default).")
+
 TRAIN_FLAGS = ("model", "dataset", "image_size", "data_dir", "augment", "cache", "epochs", "steps",
                "steps_per_epoch", "global_batch_size", "optimizer", "learning_rate", "weight_decay",
                "lr_scaling", "reference_batch_size", "warmup_steps", "lr_decay", "precision",
                "loss_scale", "strategy", "cpu_replicas", "xla", "steps_per_execution", "model_dir",
-               "keep_checkpoints", "checkpoint_every", "log_every", "seed", "startup_timeout")
+               "keep_checkpoints", "checkpoint_every", "log_every", "seed", "startup_timeout",
+               "prune_sparsity", "prune_schedule", "prune_begin_step", "prune_end_step", "prune_every",
+               "intra_op_threads", "inter_op_threads", "data_threads")
 
 
 def precision_from_flags() -> str:

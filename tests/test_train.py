@@ -4,10 +4,11 @@ import json
 import os
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import checkpoint
+from tfmp import checkpoint, models, precision
 from tfmp.errors import TrainingDiverged, UsageError
 from tfmp.train import TrainConfig, train_and_evaluate
 
@@ -125,3 +126,52 @@ def test_mixed_float16_matches_float32_accuracy(tmp_path):
         accuracy[policy] = summary["eval_accuracy"]
     assert accuracy["float32"] > 0.9
     assert abs(accuracy["float32"] - accuracy["mixed_float16"]) < 0.03, accuracy
+
+
+def _kernel_zeros(model):
+    return {layer.name: float(np.mean(layer.kernel.numpy() == 0)) for layer in model.layers
+            if hasattr(layer, "kernel")}
+
+
+def test_pruned_run_under_mixed_float16_on_two_replicas_keeps_zeros_and_resumes(tmp_path):
+    """Target sparsity on schedule, zeros that momentum cannot revive, the same masks on both
+    replicas, the head left dense, and masks restored on resume."""
+    pruned = dict(strategy="mirrored", precision="mixed_float16", optimizer="sgd", learning_rate=0.05,
+                  prune_sparsity=0.75, prune_begin_step=0, prune_end_step=4, prune_every=2,
+                  steps_per_epoch=4, log_every=4)
+    first = train_and_evaluate(_config(tmp_path, steps=4, **pruned))
+    assert first["sparsity"] == pytest.approx(0.75, abs=0.01)
+    summary = train_and_evaluate(_config(tmp_path, steps=12, **pruned))  # resumes at step 4
+    assert summary["steps"] == 12 and summary["sparsity"] == pytest.approx(0.75, abs=0.01)
+    saved = keras.models.load_model(tmp_path / "model.keras")  # stripped: plain Keras, no masks
+    zeros = _kernel_zeros(saved)
+    assert zeros.pop("lenet_logits") < 0.01  # the float32 head stays dense
+    for name, fraction in zeros.items():
+        assert fraction == pytest.approx(0.75, abs=0.01), name
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"train"' in line]
+    assert records[-1]["sparsity"] == pytest.approx(0.75, abs=0.01)
+    assert any(key.startswith("sparsity/lenet_") for key in records[-1])
+
+
+def test_pruning_keeps_replicas_identical_after_momentum_steps(mirrored):
+    from tfmp import data, pruning
+    from tfmp.engine import Engine
+    from tfmp.train import compile_classifier
+
+    keras.utils.set_random_seed(0)
+    with mirrored.scope():
+        model = models.build("lenet", (28, 28, 1), 10, dtype="mixed_float16")
+        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05, momentum=0.9), "mixed_float16")
+    compile_classifier(model, optimizer, mirrored)
+    with mirrored.scope():
+        pruner = pruning.Pruner(model, pruning.ConstantSchedule(0.6, begin_step=0, end_step=0, every=1))
+    engine = Engine(mirrored, model, optimizer)
+    pruner.update(0)
+    train = mirrored.distribute_datasets_from_function(
+        lambda context: data.load("digits", "train", 32, input_context=context)[0])
+    engine.train(iter(train), 6)  # six momentum steps after the last mask update
+    for layer, mask in zip(pruner.layers, pruner.masks):
+        masks = [m.numpy() for m in mask.value.values]
+        np.testing.assert_array_equal(masks[0], masks[1])
+        for kernel in layer.kernel.value.values:
+            assert np.all(kernel.numpy()[masks[0] == 0] == 0), layer.name

@@ -50,6 +50,24 @@ def split_cpu(num_devices: int) -> None:
             ) from None
 
 
+def set_threads(intra_op: int = 0, inter_op: int = 0) -> None:
+    """TensorFlow's two thread pools (0 keeps its default: one thread per core each).
+
+    intra-op threads split one op (a matmul, a convolution); inter-op threads run independent
+    ops at once. Like `split_cpu`, this must happen before TensorFlow initialises its runtime.
+    """
+    try:
+        if intra_op:
+            tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+        if inter_op:
+            tf.config.threading.set_inter_op_parallelism_threads(inter_op)
+    except RuntimeError:
+        if (intra_op and tf.config.threading.get_intra_op_parallelism_threads() != intra_op) or (
+                inter_op and tf.config.threading.get_inter_op_parallelism_threads() != inter_op):
+            raise UsageError(f"cannot set intra-op {intra_op} / inter-op {inter_op} threads: TensorFlow already "
+                             "started; set them before any TensorFlow op (once per process)") from None
+
+
 def _local_devices() -> list[str]:
     gpus = tf.config.list_logical_devices("GPU")
     return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]

@@ -72,7 +72,11 @@ class Engine:
     """Owns the compiled train, eval and predict functions for one compiled model and strategy."""
 
     def __init__(self, strategy: tf.distribute.Strategy, model: keras.Model,
-                 optimizer: keras.optimizers.Optimizer | None = None, *, xla: bool = False):
+                 optimizer: keras.optimizers.Optimizer | None = None, *, xla: bool = False,
+                 gradients=None):
+        """`gradients(engine, x, y, sample_weight) -> (y_pred, loss, gradients)` replaces the
+        one-tape forward/backward pass (a pipeline computes it stage by stage); the loss it
+        returns is unscaled and the gradients are those of `optimizer.scale_loss(loss)`."""
         if not getattr(model, "compiled", False) or model.optimizer is None:
             raise UsageError(f"model {model.name!r} is not compiled; call model.compile(optimizer, loss, "
                              "metrics) inside the strategy's scope first")
@@ -86,6 +90,7 @@ class Engine:
                                        synchronization=tf.VariableSynchronization.ON_READ,
                                        aggregation=tf.VariableAggregation.SUM)
         self._forward = tf.function(self._forward_fn, jit_compile=True) if xla else self._forward_fn
+        self._gradients = (lambda *args: gradients(self, *args)) if gradients else self._forward_backward
         self._train_fn = tf.function(self._train_loop)
         self._eval_fn = tf.function(self._eval_loop)
         self._infer_fn = tf.function(self._infer_loop)
@@ -107,19 +112,22 @@ class Engine:
                                               sample_weight=tf.where(finite, rows, 0.0))
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _train_replica_step(self, data, stop_requested):
-        x, y, sample_weight, _ = _unpack(data)
-        variables = self.model.trainable_variables
+    def _forward_backward(self, x, y, sample_weight):
+        """(predictions, loss, gradients) of one replica's batch: one tape over the whole model."""
         with tf.GradientTape() as tape:
             y_pred = self._forward(x, True)
             loss = self._loss(x, y, y_pred, sample_weight, training=True)
             scaled_loss = self.optimizer.scale_loss(loss)
-        gradients = tape.gradient(scaled_loss, variables)
+        return y_pred, loss, tape.gradient(scaled_loss, self.model.trainable_variables)
+
+    def _train_replica_step(self, data, stop_requested):
+        x, y, sample_weight, _ = _unpack(data)
+        y_pred, loss, gradients = self._gradients(x, y, sample_weight)
         # The loss alone can look finite when the gradients are not (cross-entropy clips NaN
         # probabilities), so the stop/skip statistics check the gradients themselves.
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None]
                                + [tf.math.is_finite(tf.cast(loss, tf.float32))])
-        self.optimizer.apply(gradients, variables)
+        self.optimizer.apply(gradients, self.model.trainable_variables)
         self._track(loss, _rows(x), finite, x, y, y_pred, sample_weight)
         self._status.assign_add(tf.stack([tf.where(finite, 0.0, 1.0), tf.cast(stop_requested, tf.float32)]))
 

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import tempfile
 import time
 
 import keras
@@ -21,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import data, distribute, fitting, models, optim, precision
+from tfmp import data, distribute, fitting, models, optim, precision, pruning
 from tfmp.checkpoint import Checkpoints
 from tfmp.engine import Engine
 from tfmp.errors import UsageError, unknown
@@ -69,6 +70,16 @@ class TrainConfig:
     seed: int = 0
     startup_timeout: float = distribute.DEFAULT_STARTUP_TIMEOUT  # multi-worker: wait for peers
     verbose: bool = True
+    # Magnitude pruning (tfmp.pruning): 0 = dense. end_step 0: two thirds into the run.
+    prune_sparsity: float = 0.0
+    prune_schedule: str = "polynomial"
+    prune_begin_step: int = 0
+    prune_end_step: int = 0
+    prune_every: int = 100
+    # Compute parallelism: 0 = TensorFlow's defaults (one thread per core).
+    intra_op_threads: int = 0
+    inter_op_threads: int = 0
+    data_threads: int = 0
 
 
 def resolve_xla(xla: str) -> tuple[bool, str]:
@@ -117,6 +128,7 @@ class _Plan:
     epochs: int
     learning_rate: float
     schedule: optim.WarmupSchedule
+    prune_schedule: pruning.ConstantSchedule | None
 
 
 def _plan(config: TrainConfig) -> _Plan:
@@ -124,12 +136,16 @@ def _plan(config: TrainConfig) -> _Plan:
     _check_positive(epochs=config.epochs, steps=config.steps, global_batch_size=config.global_batch_size,
                     steps_per_execution=config.steps_per_execution, keep_checkpoints=config.keep_checkpoints,
                     log_every=config.log_every)
+    for name in ("intra_op_threads", "inter_op_threads", "data_threads"):
+        if getattr(config, name) < 0:
+            raise UsageError(f"--{name}={getattr(config, name)} must be 0 (TensorFlow's default) or positive")
     if config.cpu_replicas < 0:
         raise UsageError(f"--cpu_replicas={config.cpu_replicas} must be 0 (no split) or a positive "
                          "number of logical CPU devices")
     if config.model not in models.MODELS:
         raise unknown("model", config.model, models.MODELS)
-    # Logical CPU devices can only be made before TensorFlow initialises its runtime.
+    # Thread pools and logical CPU devices can only be set before TensorFlow initialises its runtime.
+    distribute.set_threads(config.intra_op_threads, config.inter_op_threads)
     distribute.split_cpu(config.cpu_replicas)
     # Next the strategy: MultiWorkerMirroredStrategy must exist before any TensorFlow op runs.
     strategy = distribute.get_strategy(config.strategy, startup_timeout=config.startup_timeout)
@@ -158,9 +174,14 @@ def _plan(config: TrainConfig) -> _Plan:
     if topology.workers > 1 and not config.model_dir and not os.environ.get(RUN_NAME_ENV):
         raise UsageError("multi-worker training without tfmp.launch needs an explicit --model_dir shared by "
                          "all workers (they restore from the chief's checkpoints)")
+    prune_schedule = None
+    if config.prune_sparsity:
+        prune_schedule = pruning.make_schedule(
+            config.prune_schedule, config.prune_sparsity, config.prune_begin_step,
+            config.prune_end_step or max(config.prune_begin_step, total_steps * 2 // 3), config.prune_every)
     return _Plan(strategy, topology, policy, policy_choice.reason, policy_choice.warning, loss_scale,
                  info, use_xla, xla_reason, per_replica_batch, steps_per_epoch, total_steps, epochs,
-                 learning_rate, schedule)
+                 learning_rate, schedule, prune_schedule)
 
 
 def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -> dict:
@@ -175,6 +196,10 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
         if config.verbose and plan.topology.is_chief:
             print(f"WARNING: {plan.warning}", flush=True)
     model, engine = _build_model(config, plan)
+    pruner = None
+    if plan.prune_schedule is not None:
+        with plan.strategy.scope():  # masks become mirrored, like the kernels
+            pruner = pruning.Pruner(model, plan.prune_schedule)
     # Validation is over: from here on the run writes files.
     model_dir = config.model_dir or default_model_dir(config)
     if plan.topology.is_chief:
@@ -182,7 +207,7 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
     task_id = getattr(getattr(plan.strategy, "cluster_resolver", None), "task_id", 0) or 0
     checkpoints = Checkpoints(model_dir, plan.topology.is_chief, task_id, keep=config.keep_checkpoints,
                               global_batch_size=config.global_batch_size, model=model,
-                              optimizer=engine.optimizer)
+                              optimizer=engine.optimizer, **(pruner.checkpoint_objects() if pruner else {}))
     try:
         start_step = checkpoints.restore()
     except UsageError:
@@ -195,21 +220,25 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
             file.write(resolved_flags)
     try:
         data_for_epoch, evaluate, shard_policies = _inputs(config, plan, engine, start_step)
-        reporter.run_card(_run_card(config, plan, model, engine, start_step, shard_policies, model_dir))
+        card = _run_card(config, plan, model, engine, start_step, shard_policies, model_dir)
+        reporter.run_card({**card, **(pruner.describe() if pruner else {})})
         settings = LoopSettings(total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
                                 global_batch_size=config.global_batch_size,
                                 steps_per_execution=config.steps_per_execution,
                                 checkpoint_every=config.checkpoint_every, log_every=config.log_every,
                                 learning_rate=plan.schedule)
         result = Loop(engine, data_for_epoch, settings, reporter=reporter, checkpoints=checkpoints,
-                      evaluate=evaluate).run(start_step)
+                      evaluate=evaluate, hooks=(pruner,) if pruner else (),
+                      scalars=(lambda: _sparsity_scalars(pruner)) if pruner else None).run(start_step)
+        # A pruned model is saved stripped: a plain Keras model with its zeros, no masks.
+        saved = pruning.strip(model) if pruner else model
         if plan.topology.is_chief:
-            model.save(os.path.join(model_dir, MODEL_FILE))
+            saved.save(os.path.join(model_dir, MODEL_FILE))
         distribute.barrier(plan.strategy)
     finally:
         reporter.close()
         checkpoints.close()
-    return _summary(config, plan, model, engine, result, model_dir)
+    return _summary(config, plan, saved, engine, result, model_dir, pruner)
 
 
 def _build_model(config: TrainConfig, plan: _Plan) -> tuple[keras.Model, Engine]:
@@ -251,15 +280,22 @@ def _inputs(config: TrainConfig, plan: _Plan, engine: Engine, start_step: int):
             data_dir=config.data_dir, input_context=input_context, training=True, augment=config.augment,
             cache=config.cache, seed=config.seed, skip_examples=skip)
         shard_policies.append(shard_policy)
-        return dataset
+        return with_threads(dataset)
+
+    def with_threads(dataset):
+        if not config.data_threads:
+            return dataset
+        options = tf.data.Options()
+        options.threading.private_threadpool_size = config.data_threads  # tf.data's own pool
+        return dataset.with_options(options)
 
     def eval_input(input_context):
         dataset = data.load(config.dataset, "eval", config.global_batch_size, image_size=config.image_size,
                             data_dir=config.data_dir, input_context=input_context, training=False,
                             cache=config.cache)[0]
         # Eval batches are padded to full size with label -1: padded rows weigh (and count) 0.
-        return dataset.map(lambda images, labels: (
-            images, tf.maximum(labels, 0), tf.cast(labels >= 0, tf.float32), tf.cast(labels >= 0, tf.float32)))
+        return with_threads(dataset.map(lambda images, labels: (
+            images, tf.maximum(labels, 0), tf.cast(labels >= 0, tf.float32), tf.cast(labels >= 0, tf.float32))))
 
     train_iterator = iter(strategy.distribute_datasets_from_function(train_input))
     eval_dataset = strategy.distribute_datasets_from_function(eval_input) if config.evaluate else None
@@ -292,12 +328,27 @@ def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir
         "steps per execution": config.steps_per_execution,
         "xla": f"{'on' if plan.use_xla else 'off'} ({plan.xla_reason}; forward+backward compiled per replica)",
         "shard policy": ", ".join(sorted(set(shard_policies))) or "n/a",
+        "threads": f"intra-op {config.intra_op_threads or 'default'}, inter-op {config.inter_op_threads or 'default'}, "
+                   f"tf.data {config.data_threads or 'default (shared pool)'}",
         "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
         "model dir": os.path.abspath(model_dir),
     }
 
 
-def _summary(config, plan, model, engine, result, model_dir) -> dict:
+def _sparsity_scalars(pruner: pruning.Pruner) -> dict:
+    sparsity = pruner.sparsity()
+    return {"sparsity": sparsity.pop("overall"), **{f"sparsity/{name}": value for name, value in sparsity.items()}}
+
+
+def _weights_gzip_bytes(model: keras.Model) -> int:
+    """gzip size of the model's weights alone (no optimizer slots): what pruning shrinks."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "model.weights.h5")
+        model.save_weights(path)
+        return pruning.gzip_size(path)
+
+
+def _summary(config, plan, model, engine, result, model_dir, pruner=None) -> dict:
     last_eval = result.last_eval or {}
     summary = {
         "eval_accuracy": last_eval.get("accuracy"),
@@ -309,13 +360,16 @@ def _summary(config, plan, model, engine, result, model_dir) -> dict:
         "optimizer_iterations": int(engine.optimizer.iterations.numpy()),
         "weights_sha256": weights_digest(model),
         "history": dict(result.history.history) if result.history else {},
+        "sparsity": pruner.sparsity()["overall"] if pruner else 0.0,
+        "weights_gzip_bytes": _weights_gzip_bytes(model),
     }
     accuracy = f"{summary['eval_accuracy']:.4f}" if summary["eval_accuracy"] is not None else "n/a"
     speed = f"{summary['examples_per_sec']:.0f}" if summary["examples_per_sec"] else "n/a"
     if config.verbose:  # every worker: identical weights digests show the workers agree
         print(f"tfmp summary: eval accuracy {accuracy}, {speed} examples/s, precision {plan.policy}, "
               f"{plan.topology.replicas} replica(s) on {plan.topology.workers} worker(s), {result.step} steps "
-              f"({summary['optimizer_iterations']} applied), "
+              f"({summary['optimizer_iterations']} applied), sparsity {summary['sparsity']:.2f}, "
+              f"weights gzip {summary['weights_gzip_bytes'] / 1e6:.2f} MB, "
               f"weights {summary['weights_sha256'][:12]}, model dir {summary['model_dir']}", flush=True)
     return summary
 
