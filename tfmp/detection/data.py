@@ -18,6 +18,7 @@ Usage::
     anchors = boxes.generate_anchors(128, retinanet.anchor_config("retinanet_tiny"))
     train, policy = data.load("shapes", "train", 32, anchors=anchors, augment=True)
     evaluation, _ = data.load("shapes", "eval", 32, anchors=anchors)
+    image, scale, original = data.read_image("photo.jpg", 128)   # for predictions
 
 Every image is made square (``image_size``): resized so its longer side fits, then padded with
 zeros at the bottom/right. Training elements are ``(image, labels)``, eval elements
@@ -181,6 +182,22 @@ def fit_to_square(image, boxes, classes, size: int, key=None, jitter=SCALE_JITTE
     classes = tf.where(keep, tf.cast(classes, tf.int32), -1)
     return (tf.clip_by_value(image, 0.0, 1.0), tf.where(keep[:, None], clipped, 0.0), classes,
             1.0 / ratio)
+
+
+def read_image(path: str, image_size: int):
+    """One image file for prediction: (model input float32 [S, S, 3], scale = original pixels
+    per input pixel, original image float32 [h, w, 3]). Multiply predicted boxes by `scale` to
+    draw them on the original image."""
+    if not tf.io.gfile.exists(path) or tf.io.gfile.isdir(path):
+        raise UsageError(f"image file {path!r} does not exist; pass existing image files")
+    try:
+        raw = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
+    except tf.errors.InvalidArgumentError:
+        raise UsageError(f"cannot decode image file {path!r}; use a jpg, png, bmp or gif") from None
+    original = tf.image.convert_image_dtype(raw, tf.float32)
+    image, _, _, scale = fit_to_square(original, tf.zeros([0, 4]), tf.zeros([0], tf.int32),
+                                       image_size)
+    return image, float(scale), original
 
 
 def pad_boxes(boxes, classes, max_boxes: int):

@@ -5,7 +5,8 @@
 
 `image` is HxWx3, float in [0, 1] or uint8; `boxes` are xyxy pixels of that image; `scores` may
 be None (ground truth). Each box gets an outline in its class's colour and a label
-"name 0.93" on a filled tag above it (inside the image when the box touches the top edge).
+"name 0.93" on a filled tag above it (inside the image when the box touches the top edge); the
+most confident box is drawn last, on top.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def render(image, boxes, classes, scores=None, class_names=None, scale: int = 1)
     classes = np.asarray(classes).reshape(-1).astype(int)
     scores = None if scores is None else np.asarray(scores, np.float32).reshape(-1)
     line_width = max(1, round(min(picture.size) / 200))
-    for index, (box, class_id) in enumerate(zip(boxes, classes)):
+    # Lowest score first: where tags overlap, the most confident one stays readable on top.
+    order = range(len(boxes)) if scores is None else np.argsort(scores, kind="stable")
+    for index in order:
+        box, class_id = boxes[index], classes[index]
         colour = class_colour(class_id)
         draw.rectangle([float(v) for v in box], outline=colour, width=line_width)
         name = class_names[class_id] if class_names is not None and 0 <= class_id < len(

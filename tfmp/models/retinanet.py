@@ -109,13 +109,20 @@ def _pyramid(features, levels, width, name, dtype, regularizer):
     return [pyramid[level] for level in levels]
 
 
-def _subnet(pyramid, levels, outputs_per_anchor, anchors, width, depth, kind, name, dtype,
+def _subnet(pyramid, levels, outputs_per_anchor, anchors, width, depth, norm, kind, name, dtype,
             regularizer, bias_initializer):
     """One subnet (class or box) applied to every level with the same layers; float32 output
     [B, sum(H*W*anchors), outputs_per_anchor]."""
-    hidden = [_conv(width, 3, f"{name}_{kind}_conv{index}", dtype, regularizer, activation="relu",
-                    kernel_initializer=keras.initializers.RandomNormal(stddev=0.01))
-              for index in range(1, depth + 1)]
+    hidden = []
+    for index in range(1, depth + 1):
+        hidden.append(_conv(width, 3, f"{name}_{kind}_conv{index}", dtype, regularizer,
+                            activation=None if norm else "relu",
+                            kernel_initializer=keras.initializers.RandomNormal(stddev=0.01)))
+        if norm:  # group norm (per image, so shared across levels like the convs)
+            hidden.append(keras.layers.GroupNormalization(
+                TINY_NORM_GROUPS, dtype=dtype, name=f"{name}_{kind}_gn{index}"))
+            hidden.append(keras.layers.Activation("relu", dtype=dtype,
+                                                  name=f"{name}_{kind}_relu{index}"))
     # float32: the logits/deltas, their reshapes and the concatenation never round to float16.
     final = _conv(anchors * outputs_per_anchor, 3, f"{name}_{kind}_output", "float32", regularizer,
                   kernel_initializer=keras.initializers.RandomNormal(stddev=0.01),
@@ -132,7 +139,8 @@ def _subnet(pyramid, levels, outputs_per_anchor, anchors, width, depth, kind, na
 def retinanet(image_size: int, num_classes: int, dtype: str | None = None,
               name: str = "retinanet", *, backbone: str = "tiny",
               levels: tuple[int, ...] = (3, 4, 5, 6, 7), fpn_width: int = 256,
-              head_width: int = 256, head_depth: int = 4, weight_decay: float = 0.0) -> keras.Model:
+              head_width: int = 256, head_depth: int = 4, head_norm: bool = False,
+              weight_decay: float = 0.0) -> keras.Model:
     """RetinaNet for square `image_size` images (see the module docstring); `backbone` is
     "tiny" or "resnet50". Layers: `{name}_backbone_*`, `{name}_fpn_*`, `{name}_classes_*`,
     `{name}_boxes_*`; outputs "classes" and "boxes"."""
@@ -157,10 +165,10 @@ def retinanet(image_size: int, num_classes: int, dtype: str | None = None,
     pyramid = _pyramid(features, levels, fpn_width, name, dtype, regularizer)
     anchors = AnchorConfig(levels=levels).anchors_per_location
     prior_bias = keras.initializers.Constant(-math.log((1 - CLASS_PRIOR) / CLASS_PRIOR))
-    classes = _subnet(pyramid, levels, num_classes, anchors, head_width, head_depth, "classes",
-                      name, dtype, regularizer, prior_bias)
-    boxes = _subnet(pyramid, levels, 4, anchors, head_width, head_depth, "boxes", name, dtype,
-                    regularizer, "zeros")
+    classes = _subnet(pyramid, levels, num_classes, anchors, head_width, head_depth, head_norm,
+                      "classes", name, dtype, regularizer, prior_bias)
+    boxes = _subnet(pyramid, levels, 4, anchors, head_width, head_depth, head_norm, "boxes", name,
+                    dtype, regularizer, "zeros")
     return functional_model(images, {"classes": classes, "boxes": boxes}, name, dtype)
 
 
@@ -190,7 +198,7 @@ def build_detector(name: str, image_size: int, num_classes: int, dtype: str | No
             keras.dtype_policies.get(dtype)
         except ValueError as error:
             raise UsageError(f"bad dtype policy {dtype!r}: {error}") from None
-    allowed = {"weight_decay", "fpn_width", "head_width", "head_depth"}
+    allowed = {"weight_decay", "fpn_width", "head_width", "head_depth", "head_norm"}
     rejected = sorted(set(options) - allowed)
     if rejected:
         raise UsageError(f"detector {name!r} does not take option(s) {', '.join(rejected)}; "
