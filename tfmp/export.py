@@ -253,36 +253,10 @@ def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str 
     os.umask(umask)
     os.chmod(temporary, 0o777 & ~umask)  # mkdtemp's 0700 would hide the export from a server
     try:
-        copy = inference_copy(model, precision)
-        writers = {
-            "saved_model": lambda path: write_saved_model(copy, path),
-            "tflite": lambda path: write_tflite(
-                copy if precision == "float32" else inference_copy(model, "float32"), path,
-                float16_weights=precision != "float32"),
-            "keras": lambda path: copy.save(path),
-        }
-        file_names = {"saved_model": SAVED_MODEL_DIR, "tflite": TFLITE_FILE, "keras": KERAS_FILE}
-        # The reference is the trained weights computed in float32: the exact function the
-        # training policy approximated, so each row shows what its precision costs.
-        expected = reference_outputs(inference_copy(model, "float32", fold_batch_norms=False),
-                                     reference_images)
-        rows = []
-        for name in formats:
-            path = os.path.join(temporary, file_names[name])
-            writers[name](path)
-            loader = {"saved_model": inference.SavedModelPredictor, "tflite": inference.TFLitePredictor,
-                      "keras": inference.KerasPredictor}[name]
-            outputs = loader(path, {}).predict(reference_images)
-            rows.append({
-                "format": name, "file": file_names[name],
-                "precision": "float16 weights, float32 compute" if name == "tflite" and precision != "float32"
-                else precision,
-                "size_bytes": disk_size(path),
-                "max_abs_difference": float(np.max(np.abs(outputs - expected))),
-                "top1_agreement": float(np.mean(outputs.argmax(-1) == expected.argmax(-1))),
-            })
+        rows = _write_and_compare(model, precision, formats, temporary, reference_images)
         report = dict(metadata or {}, kind=kind, precision=precision, layer_policy=layer_policy(precision),
-                      source_dtype_policy=model.dtype_policy.name,
+                      source_layer_policy=next((layer.dtype_policy.name for layer in model.layers
+                                                if layer.weights), None),
                       batch_norms_folded=len(_batch_norm_folds(model)),
                       preprocessing=inference.Preprocessing.from_shape(model.input.shape[1:]).to_json(),
                       artifacts=rows)
@@ -297,6 +271,41 @@ def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str 
         raise
     report["directory"] = os.path.abspath(final_dir)
     return report
+
+
+def _write_and_compare(model, precision, formats, directory, reference_images) -> list[dict]:
+    """Writes each format into `directory`, reloads it and compares it with the model."""
+    from tfmp import inference
+
+    copy = inference_copy(model, precision)
+    writers = {
+        "saved_model": lambda path: write_saved_model(copy, path),
+        "tflite": lambda path: write_tflite(
+            copy if precision == "float32" else inference_copy(model, "float32"), path,
+            float16_weights=precision != "float32"),
+        "keras": lambda path: copy.save(path),
+    }
+    loaders = {"saved_model": inference.SavedModelPredictor, "tflite": inference.TFLitePredictor,
+               "keras": inference.KerasPredictor}
+    file_names = {"saved_model": SAVED_MODEL_DIR, "tflite": TFLITE_FILE, "keras": KERAS_FILE}
+    # The reference is the trained weights computed in float32: the exact function the
+    # training policy approximated, so each row shows what its precision costs.
+    expected = reference_outputs(inference_copy(model, "float32", fold_batch_norms=False),
+                                 reference_images)
+    rows = []
+    for name in formats:
+        path = os.path.join(directory, file_names[name])
+        writers[name](path)
+        outputs = loaders[name](path, {}).predict(reference_images)
+        rows.append({
+            "format": name, "file": file_names[name],
+            "precision": "float16 weights, float32 compute" if name == "tflite" and precision != "float32"
+            else precision,
+            "size_bytes": disk_size(path),
+            "max_abs_difference": float(np.max(np.abs(outputs - expected))),
+            "top1_agreement": float(np.mean(outputs.argmax(-1) == expected.argmax(-1))),
+        })
+    return rows
 
 
 def reference_outputs(model, images, batch_size=64):
