@@ -201,3 +201,22 @@ def test_detector_export_is_refused_until_its_serving_builder_exists(tmp_path):
     with pytest.raises(UsageError, match="is a detector .*SERVING_BUILDERS"):
         export.export(detector, str(tmp_path / "out"), precision="float32")
     assert not (tmp_path / "out").exists()
+
+
+def test_inference_bench_times_every_artifact_and_reports_the_goal_ratios(tmp_path):
+    from tfmp import bench_inference
+
+    config = bench_inference.InferenceBenchConfig(
+        models=["mnist_mlp"], precisions=["bfloat16"], formats=["saved_model", "tflite"], batch_size=8,
+        repeats=2, min_repeat_seconds=0.05, output_dir=str(tmp_path))
+    report = bench_inference.run(config, progress=lambda line: None)
+    rows = {(row["format"], row["precision"]) for row in report["rows"]}
+    assert rows == {("keras (training model)", "float32"), ("saved_model", "float32"), ("tflite", "float32"),
+                    ("saved_model", "bfloat16"), ("tflite", "float16 weights")}
+    for row in report["rows"]:
+        assert row["latency_ms_p50"] <= row["latency_ms_p99"] and row["images_per_sec"] > 0
+    ratios = {ratio["ratio"]: ratio["value"] for ratio in report["ratios"]}
+    assert ratios["tflite float16-weight / float32 size"] <= 0.52
+    assert "saved_model bfloat16 / float32 throughput" in ratios
+    assert "| mnist_mlp | saved_model | bfloat16 |" in bench_inference.table(report)
+    assert os.listdir(tmp_path) == ["inference_bench.json"]

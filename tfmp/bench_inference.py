@@ -169,7 +169,7 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
     from tfmp import bench, models
 
     os.makedirs(config.output_dir, exist_ok=True)
-    rows, started = [], time.time()
+    rows, started, load_at_start = [], time.time(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tfmp-inference-bench-") as scratch:
         for name in config.models:
             shape = (28, 28, 1) if name in MNIST_SHAPED else (config.image_size, config.image_size, 3)
@@ -182,7 +182,7 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
             rows += entries
     report = {"config": dataclasses.asdict(config), "precisions": precisions,
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "hardware": bench.hardware(),
-              "load_average": os.getloadavg(), "seconds": round(time.time() - started, 1),
+              "load_average": {"start": load_at_start, "end": os.getloadavg()}, "seconds": round(time.time() - started, 1),
               "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
               "rows": rows, "ratios": _ratios(rows)}
     with open(os.path.join(config.output_dir, "inference_bench.json"), "w", encoding="utf-8") as file:
@@ -192,8 +192,11 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
 
 def table(report: dict) -> str:
     """Markdown table of the rows plus the goal ratios."""
+    load = report["load_average"]
     lines = [f"batch-1 latency and batch-{report['config']['batch_size']} throughput, "
-             f"{report['config']['repeats']} interleaved repeats",
+             f"{report['config']['repeats']} interleaved repeats; 1-min load average "
+             f"{load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end "
+             f"on {report['hardware'].get('cpu_cores')} cores",
              "| model | format | precision | size MiB | batch 1 p50 ms | p99 ms | images/s (spread) |",
              "|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
