@@ -53,8 +53,8 @@ flags.DEFINE_float("startup_timeout", float(os.environ.get(STARTUP_TIMEOUT_ENV, 
 
 flags.DEFINE_float("prune_sparsity", 0.0, "Magnitude-prune Dense/Conv kernels (not the head) to this sparsity, e.g. 0.8; 0 = dense.")
 flags.DEFINE_string("prune_schedule", "polynomial", "polynomial (Zhu & Gupta) or constant.")
-flags.DEFINE_integer("prune_begin_step", 0, "First step at which masks are computed.")
-flags.DEFINE_integer("prune_end_step", 0, "Step at which the target sparsity is reached; 0: two thirds into the run.")
+flags.DEFINE_integer("prune_begin_step", None, "First step at which masks are computed (default: a third into the run).")
+flags.DEFINE_integer("prune_end_step", None, "Step at which the target sparsity is reached (default: two thirds into the run).")
 flags.DEFINE_integer("prune_every", 100, "Steps between mask updates.")
 flags.DEFINE_integer("intra_op_threads", 0, "Threads that split one op (0: TensorFlow's default, one per core).")
 flags.DEFINE_integer("inter_op_threads", 0, "Threads that run independent ops at once (0: TensorFlow's default).")

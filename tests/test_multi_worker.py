@@ -108,6 +108,20 @@ def test_apps_train_multi_worker_under_the_launcher_without_extra_flags(tmp_path
     assert not re.search(r"heartbeat|UNAVAILABLE|Traceback", result.stdout + result.stderr, re.IGNORECASE)
 
 
+def test_pruning_under_two_workers_gives_identical_sparse_models(tmp_path):
+    flags = ["--steps=8", "--steps_per_epoch=8", "--prune_sparsity=0.5", "--prune_end_step=4",
+             "--prune_every=2"]
+    result = subprocess.run(_launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True,
+                            capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = _summaries(result.stdout)
+    assert _digest(summaries[0]) == _digest(summaries[1])  # same weights, so the same masks
+    assert "sparsity 0.50" in summaries[0] and "sparsity 0.50" in summaries[1]
+    model = keras.models.load_model(tmp_path / "run" / "model.keras")
+    conv = model.get_layer("lenet_conv1").kernel.numpy()
+    assert np.mean(conv == 0) == pytest.approx(0.5, abs=0.02)
+
+
 def test_killed_worker_restarts_group_from_last_checkpoint(tmp_path):
     command = _launch(tmp_path, ["--steps=120", "--steps_per_epoch=120", "--checkpoint_every=20"],
                       "--max_restarts=1")
