@@ -30,7 +30,10 @@ zeros at the bottom/right. Training elements are ``(image, labels)``, eval eleme
 * ``truth`` (eval only) {"image_id": int64 (the image's index in the eval split, -1 for
   padding), "boxes": float32 [M, 4] xyxy pixels of the square image, "classes": int32 [M] (-1 =
   no box), "scale": float32 (original-image pixels per input pixel, to report boxes in the
-  original image), "valid": bool (False for padding rows)}; M = ``max_boxes``.
+  original image), "valid": bool (False for padding rows)}; M = ``max_boxes`` (default 100;
+  4 for ``shapes``). `truth` is a third element, not part of ``labels``, because Keras requires
+  the labels' structure to match the model's outputs: for `model.evaluate`, map it away
+  (``dataset.map(lambda image, labels, truth: (image, labels))``).
 
 Augmentation (``augment=True``, training): scale jitter (the longer side becomes 0.75-1.25 x S),
 a random S x S crop of an enlarged image (padding of a shrunk one) and a horizontal flip, keyed
