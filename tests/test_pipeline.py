@@ -1,5 +1,7 @@
 """Model parallelism: a 2-stage GPipe pipeline on the 2 logical CPUs trains like the unsplit model."""
 
+import types
+
 import keras
 import numpy as np
 import pytest
@@ -95,8 +97,6 @@ def test_mixed_precision_pipeline_is_within_half_precision_rounding(policy):
     for engine in (reference, unsplit, piped):
         assert engine.train(iter(_data()), 3).nonfinite_steps == 0
     rounding = _max_difference(unsplit.model, reference.model)  # the unsplit model's own rounding
-    print(policy, "unsplit-float32", rounding, "pipeline-float32", _max_difference(piped.model, reference.model),
-          "pipeline-unsplit", _max_difference(piped.model, unsplit.model))
     assert _max_difference(piped.model, reference.model) <= 2 * rounding
     assert _max_difference(piped.model, unsplit.model) <= 2 * rounding
 
@@ -120,9 +120,10 @@ def test_stage_variables_and_their_gradient_ops_live_on_the_stage_device():
     iterator = iter(_data())
     engine.train(iterator, 1)
     checked = {0: 0, 1: 0}
+    unplaced = ("NoOp", "Identity", "Const", "ReadVariableOp")  # the placer puts reads next to the resource
     for node in _graph_nodes(engine, iterator):
         for stage in plan.stages:
-            if f"pipeline_stage_{stage.index}_" in node.name and node.op not in ("NoOp", "Identity", "Const", "ReadVariableOp"):
+            if f"pipeline_stage_{stage.index}_" in node.name and node.op not in unplaced:
                 assert node.device == f"/device:{stage.device[1:]}", (node.name, node.device)
                 checked[stage.index] += node.name.startswith("gradient_tape/")
     assert checked[0] >= 4 and checked[1] >= 10  # conv/relu/pool gradients of both micro-batches
@@ -142,6 +143,20 @@ def test_checkpoints_move_between_pipelined_and_unsplit_models(tmp_path):
     assert _max_difference(again.model, unsplit.model) == 0.0
     last = plan.stages[-1].model.trainable_variables[-1]
     assert last.value.device.endswith("CPU:1")  # restoring kept the placement
+
+
+@pytest.mark.parametrize("xla", [False, True])
+def test_staged_forward_pass_equals_the_model(xla, tmp_path):
+    """`forward_fn` (eval/predict stage by stage; XLA per stage, where a whole-model XLA forward
+    fails on variables of two devices) gives the model's outputs; the placed model saves."""
+    engine, plan = _lenet()
+    images = next(iter(_data()))[0]
+    forward = pipeline.forward_fn(plan)
+    staged = tf.function(lambda x: forward(types.SimpleNamespace(xla=xla), x, False))(images)
+    np.testing.assert_allclose(staged.numpy(), engine.model(images, training=False).numpy(), atol=1e-6)
+    engine.model.save(tmp_path / "placed.keras")
+    loaded = keras.models.load_model(tmp_path / "placed.keras")
+    np.testing.assert_allclose(loaded(images).numpy(), staged.numpy(), atol=1e-6)
 
 
 def test_overflow_in_one_micro_batch_skips_the_step():
@@ -193,3 +208,16 @@ def test_indivisible_batch_is_refused_when_the_step_is_traced():
     batches = _data().unbatch().batch(BATCH, drop_remainder=True)
     with pytest.raises(Exception, match="micro_batches=3 does not divide the per-replica batch 16"):
         engine.train(iter(batches), 1)
+
+
+def test_bench_reports_throughput_bubble_and_memory_per_device():
+    from tfmp import bench_pipeline
+
+    rows = bench_pipeline.measure("seed_cnn", image_size=8, global_batch=8, micro_batches=(2,), steps=1,
+                                  repeats=1)
+    unsplit, piped = rows
+    assert unsplit["relative"] == 1.0 and unsplit["stages"] == 1 and len(unsplit["devices"]) == 1
+    assert piped["bubble_theory"] == pytest.approx(1 / 3) and len(piped["stage_busy_seconds"]) == 2
+    assert [device["device"][-5:] for device in piped["devices"]] == ["CPU:0", "CPU:1"]
+    assert sum(d["parameters"] for d in piped["devices"]) == unsplit["devices"][0]["parameters"]
+    assert "bubble" in bench_pipeline.table(rows)

@@ -108,8 +108,8 @@ def stage_devices(stages: int) -> list[str]:
 
 
 def _graph(model: keras.Model):
-    """(layers in topological order, each layer's input tensor ids, output tensor ids, model
-    input ids, model output ids) of a functional model, or of a Sequential's functional."""
+    """(functional model, its layers in topological order, each layer's input tensor ids and
+    output tensor ids, model input ids, model output ids); a Sequential's inner functional."""
     functional = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
     if functional is None or not hasattr(functional, "_nodes"):
         raise UsageError(f"model {model.name!r} is not a functional or built Sequential model; a pipeline "
@@ -145,20 +145,25 @@ def _layer_cost(layer, balance: str) -> int:
 
 
 def _balanced_cuts(costs: list[int], valid: list[int], stages: int) -> list[int]:
-    """The K-1 cut positions among `valid` minimising the costliest stage (exact DP)."""
+    """The K-1 cut positions among `valid` minimising the costliest stage, ties broken by the
+    sum of squared stage costs (the more even split); exact dynamic programming."""
     prefix = [0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
     positions = [0] + valid + [len(costs)]
-    # best[j][s]: (max stage cost, cuts) covering layers [0, positions[j]) with s stages.
-    best = {(0, 0): (0, [])}
+    # best[(j, s)]: ((max stage cost, sum of squares), cuts) for layers [0, positions[j]) in s stages.
+    best = {(0, 0): ((0, 0), [])}
     for s in range(1, stages + 1):
         for j in range(1, len(positions)):
             if s == stages and j != len(positions) - 1:
                 continue
-            options = [(max(best[(i, s - 1)][0], prefix[positions[j]] - prefix[positions[i]]),
-                        best[(i, s - 1)][1] + ([positions[j]] if j < len(positions) - 1 else []))
-                       for i in range(j) if (i, s - 1) in best]
+            options = []
+            for i in range(j):
+                if (i, s - 1) in best:
+                    (worst, squares), cuts = best[(i, s - 1)]
+                    cost = prefix[positions[j]] - prefix[positions[i]]
+                    options.append(((max(worst, cost), squares + cost * cost),
+                                    cuts + ([positions[j]] if j < len(positions) - 1 else [])))
             if options:
                 best[(j, s)] = min(options, key=lambda option: option[0])
     return best[(len(positions) - 1, stages)][1]
@@ -167,8 +172,8 @@ def _balanced_cuts(costs: list[int], valid: list[int], stages: int) -> list[int]
 def _named_cuts(boundaries, layers, valid, stages, model_name) -> list[int]:
     names = [layer.name for layer in layers]
     if len(boundaries) != stages - 1:
-        raise UsageError(f"{len(boundaries)} pipeline boundaries give {len(boundaries) + 1} stages, but there "
-                         f"are {stages} devices; name {stages - 1} layer(s) that start a new stage")
+        raise UsageError(f"{len(boundaries)} pipeline boundaries give {len(boundaries) + 1} stages, but "
+                         f"there are {stages} devices; name {stages - 1} layer(s) that start a new stage")
     cuts = []
     for name in boundaries:
         if name not in names:
@@ -202,8 +207,8 @@ def plan(model: keras.Model, devices, micro_batches: int = 4, boundaries=None,
     functional, layers, inputs, outputs, model_inputs, model_outputs = _graph(model)
     for layer in layers:
         if getattr(layer, "activity_regularizer", None) is not None:
-            raise UsageError(f"layer {layer.name!r} has an activity regularizer, which a pipeline cannot count "
-                             "per micro-batch; use a weight regularizer or no pipeline")
+            raise UsageError(f"layer {layer.name!r} has an activity regularizer, which a pipeline cannot "
+                             "count per micro-batch; use a weight regularizer or no pipeline")
     valid = [p for p in range(1, len(layers))
              if len(_crossing(p, inputs, outputs, model_inputs, model_outputs)) == 1
              and not _crossing(p, inputs, outputs, model_inputs, model_outputs) & set(model_inputs)]
