@@ -22,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfmp import data, distribute, models, precision  # noqa: E402
 from tfmp.engine import Engine  # noqa: E402
-from tfmp.train import compile_classifier  # noqa: E402
+from tfmp.classification import compile_classifier  # noqa: E402
 
 GLOBAL_BATCH = 32
 STEPS = 3

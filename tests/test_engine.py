@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tfmp import models, precision
 from tfmp.engine import Engine
-from tfmp.train import compile_classifier
+from tfmp.classification import compile_classifier
 
 GLOBAL_BATCH = 16
 SHAPE = (16, 16, 1)

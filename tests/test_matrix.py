@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 from tfmp import data, distribute, launch, models, precision
 from tfmp.engine import Engine
-from tfmp.train import compile_classifier
+from tfmp.classification import compile_classifier
 
 GLOBAL_BATCH = 16
 

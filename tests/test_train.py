@@ -156,7 +156,7 @@ def test_pruned_run_under_mixed_float16_on_two_replicas_keeps_zeros_and_resumes(
 def test_pruning_keeps_replicas_identical_after_momentum_steps(mirrored):
     from tfmp import data, pruning
     from tfmp.engine import Engine
-    from tfmp.train import compile_classifier
+    from tfmp.classification import compile_classifier
 
     keras.utils.set_random_seed(0)
     with mirrored.scope():

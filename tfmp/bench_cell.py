@@ -74,7 +74,7 @@ def _build(cell: dict, strategy, info, policy: str):
     import keras
 
     from tfmp import models, precision
-    from tfmp.train import compile_classifier
+    from tfmp.classification import compile_classifier
 
     keras.utils.set_random_seed(0)
     with strategy.scope():

@@ -419,3 +419,12 @@ def _pipelines_and_replicas(input_context):
         return 1, 1
     pipelines = input_context.num_input_pipelines
     return pipelines, max(input_context.num_replicas_in_sync // pipelines, 1)
+
+
+def with_threads(dataset: tf.data.Dataset, threads: int) -> tf.data.Dataset:
+    """The dataset on a private tf.data thread pool of `threads` threads (0: the shared default)."""
+    if not threads:
+        return dataset
+    options = tf.data.Options()
+    options.threading.private_threadpool_size = threads
+    return dataset.with_options(options)

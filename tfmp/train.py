@@ -22,7 +22,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import data, distribute, fitting, models, optim, precision, pruning
+from tfmp import classification, distribute, optim, precision, pruning
+from tfmp.classification import compile_classifier  # noqa: F401  (kept importable from here)
 from tfmp.checkpoint import Checkpoints
 from tfmp.engine import Engine
 from tfmp.errors import UsageError, unknown
@@ -70,6 +71,9 @@ class TrainConfig:
     seed: int = 0
     startup_timeout: float = distribute.DEFAULT_STARTUP_TIMEOUT  # multi-worker: wait for peers
     verbose: bool = True
+    # Detection: detections kept for COCO eval (and drawn by --predict above the threshold).
+    score_threshold: float = 0.05
+    max_detections: int = 100
     # Magnitude pruning (tfmp.pruning): 0 = dense. None: from a third to two thirds of the run.
     prune_sparsity: float = 0.0
     prune_schedule: str = "polynomial"
@@ -119,7 +123,7 @@ class _Plan:
     policy_reason: str
     warning: str | None
     loss_scale: str | float | None
-    info: data.DatasetInfo
+    info: object  # the task's dataset description (train_examples, eval_examples, ...)
     use_xla: bool
     xla_reason: str
     per_replica_batch: int
@@ -131,7 +135,7 @@ class _Plan:
     prune_schedule: pruning.ConstantSchedule | None
 
 
-def _plan(config: TrainConfig) -> _Plan:
+def _plan(config: TrainConfig, task) -> _Plan:
     """Validates the config and decides the run; raises UsageError before anything is written."""
     _check_positive(epochs=config.epochs, steps=config.steps, global_batch_size=config.global_batch_size,
                     steps_per_execution=config.steps_per_execution, keep_checkpoints=config.keep_checkpoints,
@@ -142,8 +146,8 @@ def _plan(config: TrainConfig) -> _Plan:
     if config.cpu_replicas < 0:
         raise UsageError(f"--cpu_replicas={config.cpu_replicas} must be 0 (no split) or a positive "
                          "number of logical CPU devices")
-    if config.model not in models.MODELS:
-        raise unknown("model", config.model, models.MODELS)
+    if config.model not in task.models:
+        raise unknown(task.model_kind, config.model, task.models)
     # Thread pools and logical CPU devices can only be set before TensorFlow initialises its runtime.
     distribute.set_threads(config.intra_op_threads, config.inter_op_threads)
     distribute.split_cpu(config.cpu_replicas)
@@ -152,7 +156,7 @@ def _plan(config: TrainConfig) -> _Plan:
     policy_choice = precision.resolve(config.precision)
     policy = policy_choice.policy
     loss_scale = precision.parse_loss_scale(config.loss_scale)
-    info = data.describe(config.dataset, image_size=config.image_size, data_dir=config.data_dir)
+    info = task.describe(config)
     use_xla, xla_reason = resolve_xla(config.xla)
     topology = distribute.describe(strategy)
     per_replica_batch = distribute.per_replica_batch(config.global_batch_size, strategy)
@@ -186,18 +190,27 @@ def _plan(config: TrainConfig) -> _Plan:
                  learning_rate, schedule, prune_schedule)
 
 
-def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -> dict:
+def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None, task=None) -> dict:
     """Trains and evaluates per `config`; returns the summary (also printed as one line).
 
+    `task` (default: image classification) owns what differs between tasks: the model
+    registry, the dataset, compiling the model, the input pipelines and the eval metrics.
     Raises UsageError for input a user must fix (before anything is written) and
     TrainingDiverged when the loss becomes non-finite without a loss scaler to skip the step.
     """
-    plan = _plan(config)
+    task = task or classification.TASK
+    plan = _plan(config, task)
     if plan.warning:
         logging.warning("%s", plan.warning)
         if config.verbose and plan.topology.is_chief:
             print(f"WARNING: {plan.warning}", flush=True)
-    model, engine = _build_model(config, plan)
+    keras.utils.set_random_seed(config.seed)
+    with plan.strategy.scope():
+        # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
+        optimizer = precision.wrap_optimizer(
+            optim.build(config.optimizer, plan.schedule, config.weight_decay), plan.policy, plan.loss_scale)
+    model = task.build(config, plan, optimizer)
+    engine = Engine(plan.strategy, model, optimizer, xla=plan.use_xla)
     pruner = None
     if plan.prune_schedule is not None:
         with plan.strategy.scope():  # masks become mirrored, like the kernels
@@ -221,8 +234,8 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
         with open(os.path.join(model_dir, FLAGS_FILE), "w", encoding="utf-8") as file:
             file.write(resolved_flags)
     try:
-        data_for_epoch, evaluate, shard_policies = _inputs(config, plan, engine, start_step)
-        card = _run_card(config, plan, model, engine, start_step, shard_policies, model_dir)
+        data_for_epoch, evaluate, shard_policies = task.inputs(config, plan, engine, start_step)
+        card = _run_card(config, plan, model, engine, start_step, shard_policies, model_dir, task)
         reporter.run_card({**card, **(pruner.describe() if pruner else {})})
         settings = LoopSettings(total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
                                 global_batch_size=config.global_batch_size,
@@ -240,83 +253,19 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None) -
     finally:
         reporter.close()
         checkpoints.close()
-    return _summary(config, plan, saved, engine, result, model_dir, pruner)
+    return _summary(config, plan, saved, engine, result, model_dir, task, pruner)
 
 
-def _build_model(config: TrainConfig, plan: _Plan) -> tuple[keras.Model, Engine]:
-    """The model, compiled with the classification loss and accuracy, and its engine."""
-    keras.utils.set_random_seed(config.seed)
-    with plan.strategy.scope():
-        model = models.build(config.model, plan.info.image_shape, plan.info.num_classes, dtype=plan.policy)
-        # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
-        optimizer = precision.wrap_optimizer(
-            optim.build(config.optimizer, plan.schedule, config.weight_decay), plan.policy, plan.loss_scale)
-    compile_classifier(model, optimizer, plan.strategy)
-    return model, Engine(plan.strategy, model, optimizer, xla=plan.use_xla)
-
-
-def compile_classifier(model: keras.Model, optimizer: keras.optimizers.Optimizer,
-                       strategy: tf.distribute.Strategy) -> keras.Model:
-    """Compiles a tfmp classifier (float32 softmax head) as the apps train it, and builds its
-    loss and metrics for (images, int labels) batches."""
-    with strategy.scope():
-        # The builders end in float32 probabilities; Keras losses compute in float32 too.
-        # Accuracy is a *weighted* metric so that padded eval rows (weight 0) count nowhere.
-        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(),
-                      weighted_metrics=["accuracy"])
-    spec = (tf.TensorSpec((None, *model.input_shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32))
-    fitting.build_for_data(model, strategy, spec)
-    return model
-
-
-def _inputs(config: TrainConfig, plan: _Plan, engine: Engine, start_step: int):
-    """The loop's data (one endless stream, positioned at `start_step`) and its evaluation."""
-    shard_policies = []
-    strategy = plan.strategy
-
-    def train_input(input_context):
-        # Resume: each input pipeline skips what it fed before the checkpoint.
-        skip = start_step * config.global_batch_size // input_context.num_input_pipelines
-        dataset, shard_policy = data.load(
-            config.dataset, "train", config.global_batch_size, image_size=config.image_size,
-            data_dir=config.data_dir, input_context=input_context, training=True, augment=config.augment,
-            cache=config.cache, seed=config.seed, skip_examples=skip)
-        shard_policies.append(shard_policy)
-        return with_threads(dataset)
-
-    def with_threads(dataset):
-        if not config.data_threads:
-            return dataset
-        options = tf.data.Options()
-        options.threading.private_threadpool_size = config.data_threads  # tf.data's own pool
-        return dataset.with_options(options)
-
-    def eval_input(input_context):
-        dataset = data.load(config.dataset, "eval", config.global_batch_size, image_size=config.image_size,
-                            data_dir=config.data_dir, input_context=input_context, training=False,
-                            cache=config.cache)[0]
-        # Eval batches are padded to full size with label -1: padded rows weigh (and count) 0.
-        return with_threads(dataset.map(lambda images, labels: (
-            images, tf.maximum(labels, 0), tf.cast(labels >= 0, tf.float32), tf.cast(labels >= 0, tf.float32))))
-
-    train_iterator = iter(strategy.distribute_datasets_from_function(train_input))
-    eval_dataset = strategy.distribute_datasets_from_function(eval_input) if config.evaluate else None
-    evaluate = (lambda: engine.evaluate(eval_dataset)) if eval_dataset is not None else None
-    return (lambda epoch, steps_done: train_iterator), evaluate, shard_policies
-
-
-def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir) -> dict:
-    info, optimizer = plan.info, engine.optimizer
+def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir, task) -> dict:
+    optimizer = engine.optimizer
+    task_rows = task.card(config, plan, model)
     return {
         "model": f"{config.model} ({model.count_params():,} parameters)",
-        "dataset": f"{config.dataset} {info.image_shape}, {info.num_classes} classes, "
-                   f"{info.train_examples} train / {info.eval_examples} eval",
+        "dataset": task_rows.pop("dataset"),
         "precision": f"{plan.policy} ({plan.policy_reason})",
         "compute dtype": precision.compute_dtype(plan.policy),
         "variable dtype": keras.DTypePolicy(plan.policy).variable_dtype,
-        "head dtype": model.layers[-1].dtype_policy.compute_dtype,
-        "output dtype": model.output.dtype,
-        "loss": "sparse categorical cross-entropy on float32 probabilities, metric accuracy",
+        **task_rows,  # head and output dtypes, the loss
         "loss scale": f"{precision.loss_scale_mode(optimizer)}, now {precision.current_loss_scale(optimizer):g}",
         "strategy": f"{plan.topology.strategy} ({config.strategy})",
         "replicas": f"{plan.topology.replicas} ({plan.topology.workers} worker(s))",
@@ -349,11 +298,10 @@ def _weights_gzip_bytes(model: keras.Model) -> int:
     return len(gzip.compress(raw, compresslevel=9, mtime=0))
 
 
-def _summary(config, plan, model, engine, result, model_dir, pruner=None) -> dict:
-    last_eval = result.last_eval or {}
+def _summary(config, plan, model, engine, result, model_dir, task, pruner=None) -> dict:
+    fields, headline = task.headline(result.last_eval or {})
     summary = {
-        "eval_accuracy": last_eval.get("accuracy"),
-        "eval_loss": last_eval.get("loss"),
+        **fields,
         "examples_per_sec": result.examples_per_sec,
         "precision": plan.policy, "replicas": plan.topology.replicas, "workers": plan.topology.workers,
         "steps": result.step, "loss_scale": precision.current_loss_scale(engine.optimizer),
@@ -364,10 +312,9 @@ def _summary(config, plan, model, engine, result, model_dir, pruner=None) -> dic
         "sparsity": pruner.sparsity()["overall"] if pruner else 0.0,
         "weights_gzip_bytes": _weights_gzip_bytes(model),
     }
-    accuracy = f"{summary['eval_accuracy']:.4f}" if summary["eval_accuracy"] is not None else "n/a"
     speed = f"{summary['examples_per_sec']:.0f}" if summary["examples_per_sec"] else "n/a"
     if config.verbose:  # every worker: identical weights digests show the workers agree
-        print(f"tfmp summary: eval accuracy {accuracy}, {speed} examples/s, precision {plan.policy}, "
+        print(f"tfmp summary: {headline}, {speed} {task.unit}/s, precision {plan.policy}, "
               f"{plan.topology.replicas} replica(s) on {plan.topology.workers} worker(s), {result.step} steps "
               f"({summary['optimizer_iterations']} applied), sparsity {summary['sparsity']:.2f}, "
               f"weights gzip {summary['weights_gzip_bytes'] / 1e6:.2f} MB, "
