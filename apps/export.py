@@ -16,6 +16,7 @@ from absl import flags, logging
 
 from apps import cli
 from tfmp import export
+from tfmp.errors import UsageError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", None, "Training run dir holding model.keras and flags.txt.")
@@ -30,7 +31,7 @@ flags.DEFINE_bool("json", False, "Print the report as one JSON line instead of t
 def main(argv):
     del argv
     if not FLAGS.model_dir:
-        raise export.UsageError("--model_dir is required: the training run to export")
+        raise UsageError("--model_dir is required: the training run to export")
     logging.set_verbosity(logging.WARNING)  # TensorFlow's saver chatter; the table is the output
     report = export.export_run(FLAGS.model_dir, FLAGS.formats, FLAGS.precision, FLAGS.output_dir,
                                eval_batches=FLAGS.eval_batches, batch_size=FLAGS.batch_size)

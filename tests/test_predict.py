@@ -46,10 +46,11 @@ def run(tmp_path_factory):
 
 
 def test_predict_prints_top_k_with_class_names_one_json_line_per_image(run):
-    result = run_python(["-m", "apps.predict", f"--model={run['run_dir']}", "--top_k=3", *run["pngs"], run["jpg"]])
+    images = [*run["pngs"], run["jpg"]]
+    result = run_python(["-m", "apps.predict", f"--model={run['run_dir']}", "--top_k=3", *images])
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [line["image"] for line in lines] == [*run["pngs"], run["jpg"]]
+    assert [line["image"] for line in lines] == images
     expected = run["model"](run["images"]).numpy()  # the training-pipeline pixels (PNG is lossless to 1/255)
     for line, probabilities in zip(lines, expected):
         top = line["top_k"]

@@ -182,7 +182,8 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
             rows += entries
     report = {"config": dataclasses.asdict(config), "precisions": precisions,
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "hardware": bench.hardware(),
-              "load_average": {"start": load_at_start, "end": os.getloadavg()}, "seconds": round(time.time() - started, 1),
+              "load_average": {"start": load_at_start, "end": os.getloadavg()},
+              "seconds": round(time.time() - started, 1),
               "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
               "rows": rows, "ratios": _ratios(rows)}
     with open(os.path.join(config.output_dir, "inference_bench.json"), "w", encoding="utf-8") as file:
