@@ -56,6 +56,10 @@ flags.DEFINE_string("prune_schedule", "polynomial", "polynomial (Zhu & Gupta) or
 flags.DEFINE_integer("prune_begin_step", None, "First step at which masks are computed (default: a third into the run).")
 flags.DEFINE_integer("prune_end_step", None, "Step at which the target sparsity is reached (default: two thirds into the run).")
 flags.DEFINE_integer("prune_every", 100, "Steps between mask updates.")
+flags.DEFINE_integer("pipeline_stages", 0, "Model parallelism: split the model into K>=2 stages on K devices (GPUs, or logical CPUs).")
+flags.DEFINE_integer("micro_batches", 4, "GPipe micro-batches per step (must divide the per-replica batch).")
+flags.DEFINE_list("pipeline_boundaries", [], "Layer names that start a stage (default: balanced by --pipeline_balance).")
+flags.DEFINE_string("pipeline_balance", "flops", "Balance stages by counted flops or params.")
 flags.DEFINE_integer("intra_op_threads", 0, "Threads that split one op (0: TensorFlow's default, one per core).")
 flags.DEFINE_integer("inter_op_threads", 0, "Threads that run independent ops at once (0: TensorFlow's default).")
 flags.DEFINE_integer("data_threads", 0, "tf.data's private thread pool for the input pipeline (0: the shared default).")
@@ -66,6 +70,7 @@ TRAIN_FLAGS = ("model", "dataset", "image_size", "data_dir", "augment", "cache",
                "loss_scale", "strategy", "cpu_replicas", "xla", "steps_per_execution", "model_dir",
                "keep_checkpoints", "checkpoint_every", "log_every", "seed", "startup_timeout",
                "prune_sparsity", "prune_schedule", "prune_begin_step", "prune_end_step", "prune_every",
+               "pipeline_stages", "micro_batches", "pipeline_boundaries", "pipeline_balance",
                "intra_op_threads", "inter_op_threads", "data_threads")
 
 
@@ -80,6 +85,7 @@ def precision_from_flags() -> str:
 def config_from_flags(**overrides) -> TrainConfig:
     values = {name: FLAGS[name].value for name in TRAIN_FLAGS}
     values["precision"] = precision_from_flags()
+    values["pipeline_boundaries"] = tuple(values["pipeline_boundaries"])
     values.update(overrides)
     return TrainConfig(**values)
 

@@ -33,6 +33,8 @@ def main(argv):
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
     if not FLAGS["strategy"].present and cluster is not None and cluster.num_workers > 1:
         strategy = "multi_worker"  # the default MirroredStrategy would train each worker alone
+    if not FLAGS["strategy"].present and FLAGS.pipeline_stages > 1:
+        strategy = "auto"  # the pipeline's stages take the devices replicas would use
     if (strategy == "mirrored" and not FLAGS["cpu_replicas"].present
             and not tf.config.list_physical_devices("GPU")):
         # One logical device per core, as many as split the global batch evenly.

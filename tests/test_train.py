@@ -175,3 +175,23 @@ def test_pruning_keeps_replicas_identical_after_momentum_steps(mirrored):
         np.testing.assert_array_equal(masks[0], masks[1])
         for kernel in layer.kernel.value.values:
             assert np.all(kernel.numpy()[masks[0] == 0] == 0), layer.name
+
+
+def test_pipelined_run_reports_its_stages_and_trains(tmp_path):
+    summary = train_and_evaluate(_config(tmp_path, strategy="auto", pipeline_stages=2, micro_batches=4))
+    assert summary["steps"] == 6 and summary["replicas"] == 1
+    card = json.load(open(tmp_path / "run_card.json"))
+    assert card["pipeline"].startswith("2 stages x 4 micro-batches") and "bubble" in card["pipeline"]
+    assert card["stage 0"].endswith("FLOPs/example)") and "CPU:1" in card["stage 1"]
+    assert keras.models.load_model(tmp_path / "model.keras").count_params() > 0  # saved as one model
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"strategy": "mirrored", "pipeline_stages": 2}, "replicas cannot also use them"),
+    ({"pipeline_stages": 2, "micro_batches": 5}, "--micro_batches=5 does not divide the per-replica batch 32"),
+    ({"pipeline_stages": 3}, "3 devices"),  # in-process the CPU is already split in 2
+])
+def test_impossible_pipelines_are_refused_before_anything_is_written(tmp_path, overrides, message):
+    with pytest.raises(UsageError, match=message) as error:
+        train_and_evaluate(_config(tmp_path / "run", **{"strategy": "auto", **overrides}))
+    assert "\n" not in str(error.value) and not (tmp_path / "run").exists()

@@ -36,9 +36,11 @@ class ClassificationTask:
     def describe(self, config) -> data.DatasetInfo:
         return data.describe(config.dataset, image_size=config.image_size, data_dir=config.data_dir)
 
-    def build(self, config, plan, optimizer) -> keras.Model:
+    def build_model(self, config, plan) -> keras.Model:
         with plan.strategy.scope():
-            model = models.build(config.model, plan.info.image_shape, plan.info.num_classes, dtype=plan.policy)
+            return models.build(config.model, plan.info.image_shape, plan.info.num_classes, dtype=plan.policy)
+
+    def compile(self, model, optimizer, plan) -> keras.Model:
         return compile_classifier(model, optimizer, plan.strategy)
 
     def inputs(self, config, plan, engine, start_step: int):

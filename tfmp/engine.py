@@ -73,10 +73,12 @@ class Engine:
 
     def __init__(self, strategy: tf.distribute.Strategy, model: keras.Model,
                  optimizer: keras.optimizers.Optimizer | None = None, *, xla: bool = False,
-                 gradients=None):
+                 gradients=None, forward=None):
         """`gradients(engine, x, y, sample_weight) -> (y_pred, loss, gradients)` replaces the
         one-tape forward/backward pass (a pipeline computes it stage by stage); the loss it
-        returns is unscaled and the gradients are those of `optimizer.scale_loss(loss)`."""
+        returns is unscaled and the gradients are those of `optimizer.scale_loss(loss)`.
+        `forward(engine, x, training) -> y_pred` replaces the eval/predict forward pass (a
+        pipeline's runs stage by stage, each stage compiled on its own device with XLA)."""
         if not getattr(model, "compiled", False) or model.optimizer is None:
             raise UsageError(f"model {model.name!r} is not compiled; call model.compile(optimizer, loss, "
                              "metrics) inside the strategy's scope first")
@@ -89,7 +91,10 @@ class Engine:
             self._status = tf.Variable(tf.zeros([_SLOTS], tf.float32), trainable=False, name="engine_status",
                                        synchronization=tf.VariableSynchronization.ON_READ,
                                        aggregation=tf.VariableAggregation.SUM)
-        self._forward = tf.function(self._forward_fn, jit_compile=True) if xla else self._forward_fn
+        if forward is not None:
+            self._forward = lambda x, training: forward(self, x, training)
+        else:
+            self._forward = tf.function(self._forward_fn, jit_compile=True) if xla else self._forward_fn
         self._gradients = (lambda *args: gradients(self, *args)) if gradients else self._forward_backward
         self._train_fn = tf.function(self._train_loop)
         self._eval_fn = tf.function(self._eval_loop)

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import classification, distribute, optim, precision, pruning
+from tfmp import classification, distribute, optim, pipeline, precision, pruning
 from tfmp.classification import compile_classifier  # noqa: F401  (kept importable from here)
 from tfmp.checkpoint import Checkpoints
 from tfmp.engine import Engine
@@ -80,6 +80,11 @@ class TrainConfig:
     prune_begin_step: int | None = None
     prune_end_step: int | None = None
     prune_every: int = 100
+    # Model parallelism (tfmp.pipeline): K >= 2 stages on K devices, M micro-batches per step.
+    pipeline_stages: int = 0
+    micro_batches: int = 4
+    pipeline_boundaries: tuple[str, ...] = ()  # layer names that start a stage; () = balanced
+    pipeline_balance: str = "flops"
     # Compute parallelism: 0 = TensorFlow's defaults (one thread per core).
     intra_op_threads: int = 0
     inter_op_threads: int = 0
@@ -150,9 +155,10 @@ def _plan(config: TrainConfig, task) -> _Plan:
         raise unknown(task.model_kind, config.model, task.models)
     # Thread pools and logical CPU devices can only be set before TensorFlow initialises its runtime.
     distribute.set_threads(config.intra_op_threads, config.inter_op_threads)
+    strategy_name = _pipeline_strategy(config)
     distribute.split_cpu(config.cpu_replicas)
     # Next the strategy: MultiWorkerMirroredStrategy must exist before any TensorFlow op runs.
-    strategy = distribute.get_strategy(config.strategy, startup_timeout=config.startup_timeout)
+    strategy = distribute.get_strategy(strategy_name, startup_timeout=config.startup_timeout)
     policy_choice = precision.resolve(config.precision)
     policy = policy_choice.policy
     loss_scale = precision.parse_loss_scale(config.loss_scale)
@@ -190,6 +196,25 @@ def _plan(config: TrainConfig, task) -> _Plan:
                  learning_rate, schedule, prune_schedule)
 
 
+def _pipeline_strategy(config: TrainConfig) -> str:
+    """The strategy name to use: a pipeline's stages are the devices, so it runs on one worker
+    under the default strategy (`auto` resolves to it); replicas on the same devices are refused."""
+    if config.pipeline_stages <= 1:
+        if config.pipeline_stages < 0:
+            raise UsageError(f"--pipeline_stages={config.pipeline_stages} must be 0 (no pipeline) or >= 2")
+        return config.strategy
+    if config.strategy not in ("auto", "default"):
+        raise UsageError(f"--pipeline_stages={config.pipeline_stages} with --strategy={config.strategy}: the "
+                         "pipeline's stages are the devices, so replicas cannot also use them; use "
+                         "--strategy=default (or auto)")
+    if config.cpu_replicas and config.cpu_replicas < config.pipeline_stages:
+        raise UsageError(f"--pipeline_stages={config.pipeline_stages} needs {config.pipeline_stages} devices, "
+                         f"--cpu_replicas={config.cpu_replicas} makes fewer")
+    if not tf.config.list_physical_devices("GPU"):
+        distribute.split_cpu(max(config.cpu_replicas, config.pipeline_stages))  # a logical CPU per stage
+    return "default"
+
+
 def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None, task=None) -> dict:
     """Trains and evaluates per `config`; returns the summary (also printed as one line).
 
@@ -209,8 +234,18 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None, t
         # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
         optimizer = precision.wrap_optimizer(
             optim.build(config.optimizer, plan.schedule, config.weight_decay), plan.policy, plan.loss_scale)
-    model = task.build(config, plan, optimizer)
-    engine = Engine(plan.strategy, model, optimizer, xla=plan.use_xla)
+    model = task.build_model(config, plan)
+    stages = None
+    if config.pipeline_stages > 1:
+        stages = pipeline.plan(model, pipeline.stage_devices(config.pipeline_stages), config.micro_batches,
+                               list(config.pipeline_boundaries) or None, config.pipeline_balance)
+        with plan.strategy.scope():
+            pipeline.place(model, stages)  # before compile: optimizer slots follow their variables
+        stages.check_batch(plan.per_replica_batch)
+    task.compile(model, optimizer, plan)
+    engine = Engine(plan.strategy, model, optimizer, xla=plan.use_xla,
+                    gradients=pipeline.gradients_fn(stages) if stages else None,
+                    forward=pipeline.forward_fn(stages) if stages else None)
     pruner = None
     if plan.prune_schedule is not None:
         with plan.strategy.scope():  # masks become mirrored, like the kernels
@@ -236,7 +271,8 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None, t
     try:
         data_for_epoch, evaluate, shard_policies = task.inputs(config, plan, engine, start_step)
         card = _run_card(config, plan, model, engine, start_step, shard_policies, model_dir, task)
-        reporter.run_card({**card, **(pruner.describe() if pruner else {})})
+        reporter.run_card({**card, **(pruner.describe() if pruner else {}),
+                           **(_pipeline_card(stages) if stages else {})})
         settings = LoopSettings(total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
                                 global_batch_size=config.global_batch_size,
                                 steps_per_execution=config.steps_per_execution,
@@ -284,6 +320,16 @@ def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir
         "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
         "model dir": os.path.abspath(model_dir),
     }
+
+
+def _pipeline_card(stages) -> dict:
+    described = stages.describe()
+    rows = {"pipeline": f"{described['stages']} stages x {described['micro_batches']} micro-batches (GPipe), "
+                        f"balanced by {described['balance']}, bubble (K-1)/(M+K-1) = {described['bubble']:.3f}"}
+    for index, stage in enumerate(described["per_stage"]):
+        rows[f"stage {index}"] = (f"{stage['device']}: {stage['layers']} ({stage['num_layers']} layers, "
+                                  f"{stage['parameters']:,} parameters, {stage['flops_per_example']:,} FLOPs/example)")
+    return rows
 
 
 def _sparsity_scalars(pruner: pruning.Pruner) -> dict:

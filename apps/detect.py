@@ -1,0 +1,52 @@
+"""Train a RetinaNet detector with mixed precision, or draw its detections on images.
+
+    python -m apps.detect --mixed                         # built-in shapes scenes, offline, a few minutes
+    python -m apps.detect --strategy=mirrored --cpu_replicas=2
+    python -m tfmp.launch --workers=2 -- python -m apps.detect
+    python -m apps.detect --flagfile=configs/retinanet_resnet50_coco_8gpu.cfg --data_dir=...
+    python -m apps.detect --model_dir=RUN --predict=img1.jpg,img2.png [--score_threshold=0.3]
+
+Training evaluates COCO metrics (pycocotools) after every epoch and ends with one line:
+`tfmp summary: eval mAP ..., AP50 ..., images/s, precision, replicas, model dir`. `--predict`
+prints one JSON line per image and writes IMAGE.detections.png next to it (or in --output_dir).
+"""
+
+import json
+
+from absl import flags
+
+from apps import cli, common
+from tfmp.detection import DEFAULTS
+from tfmp.detection import predict as detection_predict
+from tfmp.detection.task import TASK
+from tfmp.errors import UsageError
+from tfmp.train import train_and_evaluate
+
+FLAGS = flags.FLAGS
+for _name in ("model", "dataset", "image_size", "augment", "global_batch_size", "optimizer", "learning_rate",
+              "warmup_steps", "lr_decay", "steps"):
+    FLAGS.set_default(_name, DEFAULTS[_name])
+FLAGS.set_default("log_every", 100)
+flags.DEFINE_list("predict", [], "Image files to detect objects in with the trained --model_dir (no training).")
+flags.DEFINE_float("score_threshold", None, "Lowest score kept: default 0.05 for COCO eval, 0.3 for --predict.")
+flags.DEFINE_integer("max_detections", DEFAULTS["max_detections"], "Detections kept per image after NMS.")
+flags.DEFINE_string("output_dir", None, "--predict: where the PNGs go (default: next to each image).")
+
+
+def main(argv):
+    del argv
+    if FLAGS.predict:
+        if not FLAGS.model_dir:
+            raise UsageError("--predict needs --model_dir=RUN, the directory of a trained apps.detect run")
+        threshold = 0.3 if FLAGS.score_threshold is None else FLAGS.score_threshold
+        for record in detection_predict.predict_files(FLAGS.model_dir, FLAGS.predict, threshold,
+                                                      FLAGS.max_detections, FLAGS.output_dir):
+            print(json.dumps(record), flush=True)
+        return
+    threshold = DEFAULTS["score_threshold"] if FLAGS.score_threshold is None else FLAGS.score_threshold
+    config = common.config_from_flags(score_threshold=threshold, max_detections=FLAGS.max_detections)
+    train_and_evaluate(config, resolved_flags=common.resolved_flags("detect", config), task=TASK)
+
+
+if __name__ == "__main__":
+    cli.run(main)
