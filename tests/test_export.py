@@ -31,6 +31,8 @@ export_root, images = sys.argv[1], np.load(sys.argv[2])
 outputs, facts = {}, {}
 for precision in sorted(os.listdir(export_root)):
     for name in ("saved_model", "model.tflite", "model.keras"):
+        if not os.path.exists(os.path.join(export_root, precision, name)):
+            continue
         predictor = inference.load(os.path.join(export_root, precision, name))
         outputs[f"{precision}/{name}"] = predictor.predict(images)
         if name == "saved_model":
@@ -75,8 +77,9 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     run_dir = str(root / "run")
     model = _tiny_run(run_dir)
-    for precision in ("float32", "bfloat16"):
-        export.export_run(run_dir, precision=precision, eval_batches=2)
+    export.export_run(run_dir, precision="float32", eval_batches=2)
+    # Every half precision converts the same float16-weight .tflite: float16's (the app) suffices.
+    export.export_run(run_dir, formats=["saved_model", "keras"], precision="bfloat16", eval_batches=2)
     app = run_python(["-m", "apps.export", f"--model_dir={run_dir}", "--precision=float16"])
     assert app.returncode == 0, app.stderr[-3000:]
     stream = data.load("shapes", "eval", EVAL_IMAGES, image_size=IMAGE_SIZE, training=False)[0]
@@ -101,6 +104,8 @@ def test_float32_artifacts_equal_the_keras_model(exported):
 def test_half_precision_artifacts_within_tolerance(exported, precision):
     reference = exported["reference"]
     for name in ("saved_model", "model.keras", "model.tflite"):
+        if f"{precision}/{name}" not in exported["outputs"]:  # bfloat16: no .tflite (see fixture)
+            continue
         outputs = exported["outputs"][f"{precision}/{name}"]
         # The .tflite holds float16 weights but computes in float32: float16's tolerance.
         tolerance = TOLERANCE["float16" if name == "model.tflite" else precision]
@@ -122,7 +127,7 @@ def test_half_precision_saved_models_hold_half_variables_and_float32_signatures(
 def test_tflite_has_no_flex_ops_and_runs_in_litert(exported):
     if importlib.util.find_spec("ai_edge_litert") is None:
         pytest.skip("ai-edge-litert is not installed (pip install tfmp[litert]); tf.lite ran the files")
-    for precision in ("float32", "float16", "bfloat16"):
+    for precision in ("float32", "float16"):
         tflite = exported["facts"][f"{precision}/tflite"]
         assert tflite["interpreter"].startswith("ai_edge_litert"), tflite
         assert not [op for op in tflite["ops"] if op.startswith("Flex") or op == "CUSTOM"], tflite["ops"]
