@@ -96,3 +96,8 @@ def test_tflite_export_predicts_like_the_run_with_its_own_metadata(run):
 def test_loading_something_that_is_not_a_model_is_one_usage_error(tmp_path, make, message):
     with pytest.raises(UsageError, match=message):
         inference.load(str(make(tmp_path)))
+
+
+def test_the_parent_of_per_precision_exports_asks_which_one(run):
+    with pytest.raises(UsageError, match="several precisions; pick one: .*float16"):
+        inference.load(os.path.join(run["run_dir"], "export"))

@@ -258,5 +258,10 @@ def load(path: str) -> Predictor:
                 return predictor(os.path.join(path, name), metadata)
     if os.path.isfile(os.path.join(path, RUN_MODEL_FILE)):
         return KerasPredictor(os.path.join(path, RUN_MODEL_FILE), run_metadata(path))
+    exports = sorted(name for name in os.listdir(path)
+                     if os.path.isfile(os.path.join(path, name, METADATA_FILE)))
+    if exports:  # RUN/export: one dir per precision
+        raise UsageError(f"--model={path} holds exports in several precisions; pick one: "
+                         + ", ".join(os.path.join(path, name) for name in exports))
     raise UsageError(f"--model={path} holds no model (no {RUN_MODEL_FILE}, saved_model.pb or "
                      f"{METADATA_FILE}); train first or point at an export")
