@@ -168,6 +168,9 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
 
     from tfmp import bench, models
 
+    # Each .keras artifact gets its own tf.function, traced once; TensorFlow counts those first
+    # traces across instances and warns about "retracing", which here is expected.
+    tf.get_logger().addFilter(lambda record: "triggered tf.function retracing" not in record.getMessage())
     os.makedirs(config.output_dir, exist_ok=True)
     rows, started, load_at_start = [], time.time(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tfmp-inference-bench-") as scratch:
