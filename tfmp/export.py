@@ -30,8 +30,9 @@ probabilities that top-k reports.
 Extension points: `SERVING_BUILDERS` maps a model kind to the function that builds its serving
 function (detectors, whose outputs are a dict of boxes/scores/classes, register "detector"
 there); `strip_for_inference` removes training-only state first: pruning masks and their
-kernel constraints (`tfmp.pruning.strip`, pruned weights baked in as zeros). (tfmp has no
-pipeline-split training yet; such a run must save one Keras model to export like any other.)
+kernel constraints (`tfmp.pruning.strip`, pruned weights baked in as zeros). A run trained
+with a pipeline split (`--pipeline_stages`) saves one Keras model (placement is not saved), so
+it exports like any other.
 """
 
 from __future__ import annotations
