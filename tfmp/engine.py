@@ -162,11 +162,22 @@ class Engine:
             self.strategy.run(self._eval_replica_step, args=(next(iterator),))
 
     def _predict_batch(self, data):
-        outputs = self.strategy.run(lambda data: self._forward(_unpack(data)[0], False), args=(data,))
+        booleans = []
+
+        def replica_fn(data):
+            # Collective all-gathers (multi-worker) take no bool tensors: carry them as int32.
+            booleans.append(tf.nest.map_structure(lambda value: value.dtype == tf.bool, data))
+            gatherable = tf.nest.map_structure(
+                lambda value: tf.cast(value, tf.int32) if value.dtype == tf.bool else value, data)
+            return self._forward(_unpack(data)[0], False), gatherable
+
+        outputs, inputs = self.strategy.run(replica_fn, args=(data,))
         # Every worker gets every replica's rows, each output next to the input row it came from.
         # Leaf by leaf: TF 2.21's gather of a nested structure drops rows of its later leaves.
         gather = lambda value: self.strategy.gather(value, axis=0)  # noqa: E731
-        return tf.nest.map_structure(gather, outputs), tf.nest.map_structure(gather, data)
+        inputs = tf.nest.map_structure(lambda value, boolean: tf.cast(gather(value), tf.bool) if boolean
+                                       else gather(value), inputs, booleans[0])
+        return tf.nest.map_structure(gather, outputs), inputs
 
     def _results(self) -> dict:
         return {name: float(value) for name, value in self.model.get_metrics_result().items()}

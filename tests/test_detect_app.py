@@ -1,0 +1,127 @@
+"""Detection through tfmp's one engine: every strategy x precision x XLA cell trains the tiny
+RetinaNet, 2 replicas equal 1 device (the global positive-anchor normaliser), an overflow on one
+replica skips the step, and apps.detect trains, predicts float32 boxes and refuses bad input."""
+
+import json
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+from conftest import run_python
+from tfmp import precision
+from tfmp.detection import boxes, data
+from tfmp.detection.task import compile_detector
+from tfmp.engine import Engine
+from tfmp.models import retinanet
+
+SIZE, BATCH = 64, 4
+ANCHORS = boxes.generate_anchors(SIZE, retinanet.anchor_config("retinanet_tiny"))
+
+
+def _engine(strategy, policy="float32", xla=False, learning_rate=0.01):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = retinanet.build_detector("retinanet_tiny", SIZE, 6, dtype=policy)
+        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(learning_rate, momentum=0.9), policy,
+                                             initial_scale=1024.0)
+    compile_detector(model, optimizer, strategy, int(ANCHORS.shape[0]))
+    return Engine(strategy, model, optimizer, xla=xla)
+
+
+def _batches(strategy, poison_rows=None):
+    def dataset_fn(context):
+        dataset = data.load("shapes", "train", BATCH, anchors=ANCHORS, image_size=SIZE, input_context=context)[0]
+        if poison_rows is not None and context.input_pipeline_id == 0:
+            dataset = dataset.map(lambda image, labels: (image * poison_rows(image), labels))
+        return dataset
+    return iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+
+def _replica_values(model):
+    return [[v.numpy() for v in getattr(w.value, "values", [w.value])] for w in model.trainable_weights]
+
+
+@pytest.mark.parametrize("xla", [False, True], ids=["xla_off", "xla_on"])
+@pytest.mark.parametrize("policy", precision.POLICIES)
+def test_every_precision_and_xla_cell_trains_under_mirrored(mirrored, policy, xla):
+    engine = _engine(mirrored, policy, xla)
+    result = engine.train(_batches(mirrored), 2)
+    assert np.isfinite(result.metrics["loss"]) and result.nonfinite_steps == 0
+    for weight, copies in zip(engine.model.trainable_weights, _replica_values(engine.model)):
+        assert weight.dtype == "float32"
+        np.testing.assert_array_equal(copies[0], copies[1])  # replicas identical
+
+
+def test_two_replicas_equal_one_device_with_the_global_positive_count(mirrored):
+    single = _engine(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    single.train(_batches(tf.distribute.OneDeviceStrategy("/cpu:0")), 3)
+    replicated = _engine(mirrored)
+    replicated.train(_batches(mirrored), 3)
+    for a, b in zip(single.model.trainable_weights, replicated.model.trainable_weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+
+
+def test_overflow_on_one_replica_skips_the_step_everywhere(mirrored):
+    engine = _engine(mirrored, "mixed_float16")
+    before = _replica_values(engine.model)
+    # Replica 0's pipeline feeds inf images: replica 1 alone would have applied its gradients.
+    result = engine.train(_batches(mirrored, poison_rows=lambda image: np.inf), 1)
+    assert result.nonfinite_steps >= 1
+    for start, now in zip(before, _replica_values(engine.model)):
+        for replica_start, replica_now in zip(start, now):
+            np.testing.assert_array_equal(replica_now, replica_start)
+    assert precision.current_loss_scale(engine.optimizer) == 512.0
+
+
+@pytest.mark.slow
+def test_app_trains_mixed_and_predicts_float32_boxes_drawn_to_png(tmp_path):
+    run = tmp_path / "run"
+    result = run_python(["-m", "apps.detect", "--mixed", "--steps=6", "--steps_per_epoch=6", "--warmup_steps=0",
+                         f"--image_size={SIZE}", f"--global_batch_size={BATCH}", f"--model_dir={run}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = [line for line in result.stdout.splitlines() if line.startswith("tfmp summary:")][-1]
+    assert "eval mAP" in summary and "AP50" in summary and "images/s" in summary and "precision mixed_" in summary
+    records = [json.loads(line) for line in open(run / "metrics.jsonl") if '"eval"' in line]
+    assert {"mAP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large"} <= set(records[-1])
+    picture = tmp_path / "scene.png"
+    Image.fromarray((np.random.default_rng(0).random((80, 100, 3)) * 255).astype(np.uint8)).save(picture)
+    predicted = run_python(["-m", "apps.detect", f"--model_dir={run}", f"--predict={picture}",
+                            "--score_threshold=0.0", f"--output_dir={tmp_path / 'drawn'}"])
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    record = json.loads(predicted.stdout.strip().splitlines()[-1])
+    assert record["boxes_dtype"] == "float32" and record["scores_dtype"] == "float32"
+    assert len(record["detections"]) > 0
+    drawn = Image.open(record["png"])
+    assert drawn.size == (100, 80)  # drawn on the original image
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["--model=yolo9"], "unknown detector 'yolo9'"),
+    (["--predict=/nonexistent/a.png", "--model_dir=MISSING"], "is not a tfmp run directory"),
+    (["--dataset=coco:/nonexistent"], "COCO dataset path '/nonexistent' does not exist"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    args = [arg.replace("MISSING", str(tmp_path / "missing")) for arg in args]
+    result = run_python(["-m", "apps.detect", f"--model_dir={tmp_path / 'run'}", *args])
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_two_workers_train_the_detector_identically(tmp_path):
+    result = run_python(["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "-m", "apps.detect",
+                         "--steps=3", "--steps_per_epoch=3", "--warmup_steps=0", f"--image_size={SIZE}",
+                         f"--global_batch_size={BATCH}", f"--model_dir={tmp_path / 'run'}"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = [line for line in result.stdout.splitlines() if "tfmp summary:" in line]
+    assert len(summaries) == 2 and "2 replica(s) on 2 worker(s)" in summaries[0]
+    digests = {line.split("weights ")[-1].split(",")[0] for line in summaries}
+    assert len(digests) == 1  # identical weights on both workers
+    assert "on 500 images" in summaries[0]  # every eval image once, across both workers
