@@ -34,6 +34,9 @@ def main(argv):
     if FLAGS.top_k < 1:
         raise UsageError(f"--top_k={FLAGS.top_k} must be >= 1")
     predictor = inference.load(FLAGS.model)
+    if isinstance(getattr(getattr(predictor, "model", None), "output", None), dict):
+        raise UsageError(f"--model={FLAGS.model} is a detector; draw its boxes with: python -m apps.detect "
+                         f"--model_dir=RUN --predict={','.join(images)}")
     pixels = inference.read_images(images, predictor.preprocessing)
     probabilities = predictor.predict(pixels, batch_size=FLAGS.batch_size)
     for path, row in zip(images, probabilities):
