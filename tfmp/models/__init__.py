@@ -45,6 +45,15 @@ MODELS = {
 }
 
 
+def check_dtype_policy(dtype: str | None) -> None:
+    """Refuses a dtype that is not a Keras policy name (None means the global policy)."""
+    if dtype is not None:
+        try:
+            keras.dtype_policies.get(dtype)
+        except ValueError as error:
+            raise UsageError(f"bad dtype policy {dtype!r}: {error}") from None
+
+
 def build(
     name: str,
     input_shape: tuple[int, ...],
@@ -60,11 +69,7 @@ def build(
     """
     if name not in MODELS:
         raise unknown("model", name, MODELS)
-    if dtype is not None:
-        try:
-            keras.dtype_policies.get(dtype)
-        except ValueError as error:
-            raise UsageError(f"bad dtype policy {dtype!r}: {error}") from None
+    check_dtype_policy(dtype)
     builder = MODELS[name]
     parameters = inspect.signature(builder).parameters
     accepted = {key for key, param in parameters.items() if param.kind is param.KEYWORD_ONLY}

@@ -36,6 +36,7 @@ import keras
 
 from tfmp.detection.boxes import AnchorConfig
 from tfmp.errors import UsageError, unknown
+from tfmp.models import check_dtype_policy
 from tfmp.models.cnn import functional_model, image_input
 from tfmp.models.resnet import resnet50
 
@@ -194,11 +195,7 @@ def build_detector(name: str, image_size: int, num_classes: int, dtype: str | No
     `weight_decay` or `head_width` go to `retinanet` (an unknown one is a UsageError)."""
     if name not in DETECTORS:
         raise unknown("detector", name, DETECTORS)
-    if dtype is not None:
-        try:
-            keras.dtype_policies.get(dtype)
-        except ValueError as error:
-            raise UsageError(f"bad dtype policy {dtype!r}: {error}") from None
+    check_dtype_policy(dtype)
     allowed = {"weight_decay", "fpn_width", "head_width", "head_depth", "head_norm"}
     rejected = sorted(set(options) - allowed)
     if rejected:
