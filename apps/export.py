@@ -8,6 +8,11 @@ in, float32 probabilities out, computing in PRECISION), `model.tflite` (float16 
 PRECISION is float32), `model.keras`, and `export.json` (preprocessing, class names and the
 table printed at the end: size and max |difference| against the trained Keras model on eval
 batches of the run's dataset). Bad input exits 2 with one line and writes nothing.
+
+A detector run (apps.detect) exports a SavedModel returning float32 boxes and scores, int32
+classes and valid_detections after NMS (--score_threshold, --max_detections, --iou_threshold),
+and a .tflite with the raw logits and box deltas (NMS is no TFLite builtin; export.json holds the
+anchors to decode them); its table compares logits and box deltas, and the detections (F1).
 """
 
 import json
@@ -25,6 +30,9 @@ flags.DEFINE_string("precision", "float32", f"Compute precision: {', '.join(expo
 flags.DEFINE_string("output_dir", None, "Parent of the PRECISION/ export dir (default: MODEL_DIR/export).")
 flags.DEFINE_integer("eval_batches", 2, "Eval batches the outputs are compared on.")
 flags.DEFINE_integer("batch_size", 32, "Size of those batches.")
+flags.DEFINE_float("score_threshold", None, "Detectors: lowest score the SavedModel returns (default 0.05).")
+flags.DEFINE_float("iou_threshold", None, "Detectors: NMS IoU threshold (default 0.5).")
+flags.DEFINE_integer("max_detections", None, "Detectors: detections per image after NMS (default 100).")
 flags.DEFINE_bool("json", False, "Print the report as one JSON line instead of the table.")
 
 
@@ -34,7 +42,10 @@ def main(argv):
         raise UsageError("--model_dir is required: the training run to export")
     logging.set_verbosity(logging.WARNING)  # TensorFlow's saver chatter; the table is the output
     report = export.export_run(FLAGS.model_dir, FLAGS.formats, FLAGS.precision, FLAGS.output_dir,
-                               eval_batches=FLAGS.eval_batches, batch_size=FLAGS.batch_size)
+                               eval_batches=FLAGS.eval_batches, batch_size=FLAGS.batch_size,
+                               detector_options={"score_threshold": FLAGS.score_threshold,
+                                                 "iou_threshold": FLAGS.iou_threshold,
+                                                 "max_detections": FLAGS.max_detections})
     if FLAGS.json:
         print(json.dumps(report))
         return

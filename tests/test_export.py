@@ -199,13 +199,131 @@ def test_pruned_model_exports_with_masks_stripped_and_zeros_kept(tmp_path):
     assert report["artifacts"][0]["max_abs_difference"] <= TOLERANCE["bfloat16"]
 
 
-def test_detector_export_is_refused_until_its_serving_builder_exists(tmp_path):
+# ----------------------------------------------------------------------------- detectors
+DETECTOR_SIZE, DETECTOR_CLASSES = 64, 3
+# float32 export vs the Keras model computed in float32: the same graph, so NMS picks the same
+# rows; boxes (pixels of the 64 px input) within 1e-3, scores within 1e-5. bfloat16 moves logits
+# by up to ~0.1 (8-bit mantissa), which can swap near-tied NMS winners: F1 of matched detections.
+DETECTOR_BOX_TOLERANCE, DETECTOR_SCORE_TOLERANCE, DETECTOR_HALF_AGREEMENT = 1e-3, 1e-5, 0.9
+
+DETECTOR_RELOAD = r"""
+import json, sys
+import numpy as np
+from tfmp import inference
+root, images = sys.argv[1], np.load(sys.argv[2])
+arrays, facts = {}, {}
+for name in ("float32/saved_model", "bfloat16/saved_model", "float32/model.tflite"):
+    predictor = inference.load(f"{root}/{name}")
+    raw, found = predictor.detector_outputs(images)
+    arrays.update({f"{name}/raw_{key}": value for key, value in raw.items()})
+    arrays.update({f"{name}/{key}": value for key, value in found.items()})
+    if name.endswith("saved_model"):
+        serve = predictor.serve
+        facts[name] = {"variables": [[v.dtype.name, list(v.shape)] for v in predictor.loaded.variables],
+                       "input_dtype": serve.structured_input_signature[1]["images"].dtype.name,
+                       "output_dtypes": {k: v.dtype.name for k, v in serve.structured_outputs.items()}}
+    else:
+        facts[name] = {"ops": sorted({op["op_name"] for op in predictor.interpreter._get_ops_details()})}
+np.savez(sys.argv[3], **arrays)
+print("FACTS " + json.dumps(facts))
+"""
+
+
+def _detector_run(run_dir):
+    """A run dir as apps.detect leaves it; the output convs get spread-out weights so random
+    scores are far from ties and boxes move off their anchors."""
     from tfmp.models.retinanet import build_detector
 
-    detector = build_detector("retinanet_tiny", 32, num_classes=3)
-    with pytest.raises(UsageError, match="is a detector .*SERVING_BUILDERS"):
-        export.export(detector, str(tmp_path / "out"), precision="float32")
-    assert not (tmp_path / "out").exists()
+    keras.utils.set_random_seed(4)
+    model = build_detector("retinanet_tiny", DETECTOR_SIZE, DETECTOR_CLASSES, dtype="mixed_bfloat16")
+    rng = np.random.default_rng(4)
+    for kind, std in (("classes", 0.05), ("boxes", 0.02)):
+        layer = model.get_layer(f"retinanet_tiny_{kind}_output")
+        layer.kernel.assign(rng.normal(0.0, std, layer.kernel.shape))
+        layer.bias.assign(np.zeros(layer.bias.shape))
+    os.makedirs(run_dir)
+    model.save(os.path.join(run_dir, "model.keras"))
+    with open(os.path.join(run_dir, "flags.txt"), "w") as file:
+        file.write(f"--model=retinanet_tiny\n--dataset=shapes\n--image_size={DETECTOR_SIZE}\n")
+    return model
+
+
+@pytest.fixture(scope="module")
+def detector_exported(tmp_path_factory):
+    from tfmp import export_detector
+
+    root = tmp_path_factory.mktemp("detector")
+    run_dir = str(root / "run")
+    model = _detector_run(run_dir)
+    reports = {"float32": export.export_run(run_dir, ["saved_model", "tflite"], "float32", eval_batches=1,
+                                            batch_size=8),
+               "bfloat16": export.export_run(run_dir, ["saved_model"], "bfloat16", eval_batches=1, batch_size=8)}
+    options = reports["float32"]["detector"]
+    images = np.random.default_rng(5).uniform(size=(6, DETECTOR_SIZE, DETECTOR_SIZE, 3)).astype(np.float32)
+    np.save(root / "images.npy", images)
+    reference = export.inference_copy(model, "float32", fold_batch_norms=False)
+    raw = {key: np.asarray(value) for key, value in reference(images).items()}
+    reload = run_python(["-c", DETECTOR_RELOAD, os.path.join(run_dir, "export"), str(root / "images.npy"),
+                         str(root / "outputs.npz")])
+    assert reload.returncode == 0, reload.stderr[-3000:]
+    facts = json.loads(next(line for line in reload.stdout.splitlines() if line.startswith("FACTS "))[6:])
+    return {"model": model, "reports": reports, "raw": raw, "expected": export_detector.decode(raw, options),
+            "facts": facts, "outputs": dict(np.load(root / "outputs.npz"))}
+
+
+def test_detector_saved_model_is_float32_images_in_float32_boxes_and_scores_out(detector_exported):
+    for precision in ("float32", "bfloat16"):
+        facts = detector_exported["facts"][f"{precision}/saved_model"]
+        assert facts["input_dtype"] == "float32"
+        assert facts["output_dtypes"] == {"boxes": "float32", "scores": "float32", "classes": "int32",
+                                          "valid_detections": "int32"}
+    report = detector_exported["reports"]["float32"]
+    assert report["kind"] == "detector" and report["detector"]["anchor_levels"] == [3, 4, 5]
+    assert report["class_names"][:3] == ["circle", "square", "triangle"]  # detection shapes' names
+    assert report["compared_with"] == "8 eval images of shapes"
+    table = export.format_table(report["artifacts"])
+    assert "max |diff logits|" in table and "detection agreement" in table
+
+
+def test_detector_half_precision_copies_hold_half_variables_except_the_float32_head(detector_exported):
+    variables = detector_exported["facts"]["bfloat16/saved_model"]["variables"]
+    float32 = [shape for dtype, shape in variables if dtype == "float32"]
+    assert {dtype for dtype, _ in variables} == {"bfloat16", "float32"}
+    # Only the two output convs (kernel + bias), which the mixed model runs in float32 on purpose.
+    assert sorted(shape[-1] for shape in float32) == sorted([9 * 4, 9 * 4, 9 * DETECTOR_CLASSES, 9 * DETECTOR_CLASSES])
+    copy = export.inference_copy(detector_exported["model"], "float16", keep_float32_layers=True)
+    dtypes = {variable.path: variable.dtype for variable in copy.weights}
+    assert sum(dtype == "float16" for dtype in dtypes.values()) == len(dtypes) - 4
+    assert all(dtype == "float32" for path, dtype in dtypes.items() if "_output/" in path)
+    assert any(isinstance(layer, keras.layers.GroupNormalization) and layer.dtype_policy.name == "float16"
+               for layer in copy.layers)
+
+
+def test_detector_float32_saved_model_reloads_with_the_keras_detections(detector_exported):
+    outputs, expected = detector_exported["outputs"], detector_exported["expected"]
+    name = "float32/saved_model"
+    assert expected["valid_detections"].sum() > 0
+    np.testing.assert_array_equal(outputs[f"{name}/valid_detections"], expected["valid_detections"])
+    np.testing.assert_array_equal(outputs[f"{name}/classes"], expected["classes"])
+    assert np.abs(outputs[f"{name}/boxes"] - expected["boxes"]).max() <= DETECTOR_BOX_TOLERANCE
+    assert np.abs(outputs[f"{name}/scores"] - expected["scores"]).max() <= DETECTOR_SCORE_TOLERANCE
+    for key in ("classes", "boxes"):  # the raw_outputs signature
+        assert np.abs(outputs[f"{name}/raw_{key}"] - detector_exported["raw"][key]).max() <= 1e-5
+
+
+def test_detector_bfloat16_saved_model_and_raw_tflite_find_the_same_objects(detector_exported):
+    from tfmp import export_detector
+
+    outputs, expected = detector_exported["outputs"], detector_exported["expected"]
+    for name, least in (("bfloat16/saved_model", DETECTOR_HALF_AGREEMENT), ("float32/model.tflite", 0.99)):
+        found = {key: outputs[f"{name}/{key}"] for key in ("boxes", "scores", "classes", "valid_detections")}
+        assert export_detector.agreement(expected, found) >= least, name
+    for row in detector_exported["reports"]["bfloat16"]["artifacts"]:
+        assert row["detection_agreement"] >= DETECTOR_HALF_AGREEMENT
+    # NMS is no TFLite builtin: the .tflite returns raw logits and deltas, built-in ops only.
+    ops = detector_exported["facts"]["float32/model.tflite"]["ops"]
+    assert not [op for op in ops if op.startswith("Flex") or op == "CUSTOM"], ops
+    assert np.abs(outputs["float32/model.tflite/raw_classes"] - detector_exported["raw"]["classes"]).max() <= 1e-4
 
 
 def test_inference_bench_times_every_artifact_and_reports_the_goal_ratios(tmp_path):

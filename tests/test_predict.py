@@ -101,3 +101,30 @@ def test_loading_something_that_is_not_a_model_is_one_usage_error(tmp_path, make
 def test_the_parent_of_per_precision_exports_asks_which_one(run):
     with pytest.raises(UsageError, match="several precisions; pick one: .*float16"):
         inference.load(os.path.join(run["run_dir"], "export"))
+
+
+def test_predict_on_a_detector_run_prints_detections_and_writes_the_png(tmp_path):
+    """apps.predict delegates a detector run to the detection predict mode."""
+    from tfmp.detection import shapes
+    from tfmp.models.retinanet import build_detector
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    keras.utils.set_random_seed(6)
+    model = build_detector("retinanet_tiny", 64, 3, dtype="mixed_bfloat16")
+    head = model.get_layer("retinanet_tiny_classes_output")  # confident random scores: some boxes pass 0.3
+    head.bias.assign(np.zeros(head.bias.shape))
+    model.save(run_dir / "model.keras")
+    (run_dir / "flags.txt").write_text("--model=retinanet_tiny\n--dataset=shapes\n--image_size=64\n")
+    image = shapes.draw_scene(tf.constant([1, 2], tf.int64), 48)[0]  # not the input size: fit + pad
+    (tmp_path / "scene.png").write_bytes(tf.io.encode_png(tf.image.convert_image_dtype(image, tf.uint8)).numpy())
+    result = run_python(["-m", "apps.predict", f"--model={run_dir}", f"--output_dir={tmp_path / 'out'}",
+                         "--score_threshold=0.3", str(tmp_path / "scene.png")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1 and lines[0]["image"] == str(tmp_path / "scene.png")
+    assert lines[0]["png"] == str(tmp_path / "out" / "scene.detections.png") and os.path.isfile(lines[0]["png"])
+    assert lines[0]["detections"], "a 0.5-score head must leave detections above 0.3"
+    for detection in lines[0]["detections"]:
+        assert detection["score"] >= 0.3 and detection["name"] == shapes.CLASS_NAMES[detection["class"]]
+        assert all(0.0 <= value <= 48.0 for value in detection["box"])  # the original image's pixels

@@ -27,9 +27,12 @@ so a served ResNet runs one fused conv+bias+relu instead of five element-wise op
 The softmax stays in float32 in every precision: it has no weights, and float32 keeps the small
 probabilities that top-k reports.
 
+Detectors (dict outputs, `tfmp.models.retinanet`) export through `tfmp.export_detector`: their
+`serving_default` returns float32 boxes and scores (int32 classes, counts) after NMS, their
+`.tflite` the raw outputs (NMS is no TFLite builtin), and their table compares per output.
+
 Extension points: `SERVING_BUILDERS` maps a model kind to the function that builds its serving
-function (detectors, whose outputs are a dict of boxes/scores/classes, register "detector"
-there); `strip_for_inference` removes training-only state first: pruning masks and their
+endpoints; `strip_for_inference` removes training-only state first: pruning masks and their
 kernel constraints (`tfmp.pruning.strip`, pruned weights baked in as zeros). A run trained
 with a pipeline split (`--pipeline_stages`) saves one Keras model (placement is not saved), so
 it exports like any other.
@@ -47,6 +50,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmp import export_detector
 from tfmp.errors import UsageError, unknown
 
 FORMATS = ("saved_model", "tflite", "keras")
@@ -139,10 +143,17 @@ def _folded_weights(producer, batch_norm) -> list[np.ndarray]:
     return [kernel.astype(np.float32), shift.astype(np.float32)]
 
 
-def inference_copy(model: keras.Model, precision: str, fold_batch_norms: bool = True) -> keras.Model:
+def inference_copy(model: keras.Model, precision: str, fold_batch_norms: bool = True,
+                   keep_float32_layers: bool = False) -> keras.Model:
     """A functional copy for serving: BatchNorm folded, every layer in `precision`'s policy
-    (float16/bfloat16: half variables, half compute), the softmax output in float32."""
+    (float16/bfloat16: half variables, half compute), the softmax output in float32.
+    `keep_float32_layers`: layers a half/mixed model runs in float32 on purpose (a detector's
+    output convs) stay float32."""
     policy = layer_policy(precision)
+    source_policies = [layer.dtype_policy.name for layer in model.layers if layer.weights]
+    mostly_float32 = source_policies.count("float32") * 2 > len(source_policies)
+    keep = {layer.name for layer in model.layers if keep_float32_layers and not mostly_float32
+            and layer.dtype_policy.name == "float32"}
     folds = _batch_norm_folds(model) if fold_batch_norms else {}
     folded_producers = set(folds.values())
     output_layers = {tensor._keras_history.operation.name for tensor in tf.nest.flatten(model.output)}
@@ -154,7 +165,7 @@ def inference_copy(model: keras.Model, precision: str, fold_batch_norms: bool = 
         if layer.name in folded_producers:
             config["use_bias"] = True
         softmax_out = layer.name in output_layers and not layer.weights
-        config["dtype"] = "float32" if softmax_out else policy
+        config["dtype"] = "float32" if softmax_out or layer.name in keep else policy
         return layer.__class__.from_config(config)
 
     try:
@@ -176,7 +187,7 @@ def inference_copy(model: keras.Model, precision: str, fold_batch_norms: bool = 
 
 
 # ----------------------------------------------------------------------------- serving functions
-def _classifier_serving(model: keras.Model):
+def _classifier_serving(model: keras.Model, options: dict):
     height, width, channels = model.input.shape[1:]
     spec = tf.TensorSpec([None, height, width, channels], tf.float32, name=INPUT_NAME)
 
@@ -188,10 +199,13 @@ def _classifier_serving(model: keras.Model):
     return serve
 
 
-# model kind -> builder(inference copy) -> tf.function with one float32 input signature returning
-# a dict of float32 outputs. Detectors (dict outputs: boxes/scores/classes after NMS) register
-# "detector" here; `export` then also needs their outputs compared per key (see `_compare`).
-SERVING_BUILDERS = {"classifier": _classifier_serving}
+# model kind -> builder(inference copy, options) -> the serving tf.function (one float32 input
+# signature, a dict of outputs) or a dict {endpoint name: tf.function} with "serving_default".
+SERVING_BUILDERS = {
+    "classifier": _classifier_serving,
+    "detector": lambda model, options: export_detector.serving_endpoints(
+        model, options=options, input_name=INPUT_NAME, raw_only=options.get("raw_only", False)),
+}
 
 
 def _check_kind(model: keras.Model) -> str:
@@ -202,20 +216,24 @@ def _check_kind(model: keras.Model) -> str:
     return kind
 
 
-def write_saved_model(model: keras.Model, path: str) -> None:
-    """SavedModel with `serving_default`: float32 `images` in, float32 outputs out."""
+def write_saved_model(model: keras.Model, path: str, options: dict | None = None) -> None:
+    """SavedModel with `serving_default` (float32 `images` in) and any other endpoint the model
+    kind's builder returns; `options` go to the builder (a detector's thresholds and anchors)."""
+    endpoints = SERVING_BUILDERS[model_kind(model)](model, options or {})
     archive = keras.export.ExportArchive()
     archive.track(model)
-    archive.add_endpoint("serving_default", SERVING_BUILDERS[model_kind(model)](model))
+    for name, function in (endpoints if isinstance(endpoints, dict) else {"serving_default": endpoints}).items():
+        archive.add_endpoint(name, function)
     archive.write_out(path, verbose=False)
 
 
-def write_tflite(float32_model: keras.Model, path: str, float16_weights: bool) -> None:
+def write_tflite(float32_model: keras.Model, path: str, float16_weights: bool,
+                 options: dict | None = None) -> None:
     """TFLite flatbuffer of a float32 inference copy, built-in ops only, float32 I/O."""
     # Through a SavedModel: converting a concrete function of a Keras 3 model directly loses
     # its variables (the converter does not freeze them; the file holds no weights).
     with tempfile.TemporaryDirectory(prefix="tfmp-tflite-") as saved_model:
-        write_saved_model(float32_model, saved_model)
+        write_saved_model(float32_model, saved_model, options)
         converter = tf.lite.TFLiteConverter.from_saved_model(saved_model)
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]  # no Flex ops
         if float16_weights:
@@ -228,19 +246,23 @@ def write_tflite(float32_model: keras.Model, path: str, float16_weights: bool) -
 
 # ----------------------------------------------------------------------------- one export
 def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str = "float32", *,
-           metadata: dict | None = None, reference_images: np.ndarray | None = None) -> dict:
+           metadata: dict | None = None, reference_images: np.ndarray | None = None,
+           detector_options: dict | None = None) -> dict:
     """Writes `output_dir/<precision>/` (artifacts + export.json) and returns the report.
 
     Everything is written to a temporary sibling first and renamed into place at the end, so
     an error leaves no half-written export (and an earlier export of the same precision stays
     until the new one is complete). `reference_images` (float32 NHWC in [0, 1]) are what the
     difference table compares on; random images are used when there are none.
+    `detector_options` (score_threshold, iou_threshold, max_detections) set a detector's NMS.
     """
     from tfmp import inference
 
     formats = check_request(formats, precision)
     kind = _check_kind(model)
     model = strip_for_inference(model)
+    detector = kind == "detector" and export_detector.options_for(model, detector_options,
+                                                                  (metadata or {}).get("model"))
     if reference_images is None:
         reference_images = np.random.default_rng(0).uniform(size=(64, *model.input.shape[1:]))
     reference_images = np.asarray(reference_images, np.float32)
@@ -254,7 +276,11 @@ def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str 
     os.umask(umask)
     os.chmod(temporary, 0o777 & ~umask)  # mkdtemp's 0700 would hide the export from a server
     try:
-        rows = _write_and_compare(model, precision, formats, temporary, reference_images)
+        if detector:
+            rows = export_detector.write_and_compare(model, precision, formats, temporary,
+                                                     reference_images, detector)
+        else:
+            rows = _write_and_compare(model, precision, formats, temporary, reference_images)
         report = dict(metadata or {}, kind=kind, precision=precision, layer_policy=layer_policy(precision),
                       source_layer_policy=next((layer.dtype_policy.name for layer in model.layers
                                                 if layer.weights), None),
@@ -262,6 +288,9 @@ def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str 
                       preprocessing=inference.Preprocessing.from_shape(model.input.shape[1:]).to_json(),
                       artifacts=rows)
         report.setdefault("compared_with", f"{len(reference_images)} images")
+        if detector:
+            report.update(detector=detector)
+            report["preprocessing"]["resize"] = export_detector.PREPROCESSING
         with open(os.path.join(temporary, METADATA_FILE), "w", encoding="utf-8") as file:
             json.dump(report, file, indent=2)
         _replace_directory(temporary, final_dir)
@@ -336,10 +365,13 @@ def disk_size(path: str) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The difference table as aligned text."""
+    """The difference table as aligned text (a detector's: per output, see tfmp.export_detector)."""
     header = ("format", "precision", "size", "max |diff| vs Keras float32", "top-1 agreement")
     lines = [(row["format"], row["precision"], f"{row['size_bytes'] / 2**20:.2f} MiB",
-              f"{row['max_abs_difference']:.2e}", f"{100 * row['top1_agreement']:.1f}%") for row in rows]
+              f"{row['max_abs_difference']:.2e}", f"{100 * row['top1_agreement']:.1f}%") for row in rows
+             if "top1_agreement" in row]
+    if rows and "detection_agreement" in rows[0]:
+        header, lines = export_detector.table_lines(rows)
     widths = [max(len(str(cells[i])) for cells in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths)).rstrip()
                      for cells in [header, *lines])
@@ -347,7 +379,7 @@ def format_table(rows: list[dict]) -> str:
 
 # ----------------------------------------------------------------------------- a training run
 def export_run(run_dir: str, formats=FORMATS, precision: str = "float32", output_dir: str | None = None,
-               eval_batches: int = 2, batch_size: int = 32) -> dict:
+               eval_batches: int = 2, batch_size: int = 32, detector_options: dict | None = None) -> dict:
     """Exports `run_dir/model.keras` to `output_dir` (default `run_dir/export`)/<precision>/,
     compared on `eval_batches` eval batches of the run's dataset (random images if the data
     cannot be read here). Everything a user can get wrong is checked before writing."""
@@ -364,10 +396,14 @@ def export_run(run_dir: str, formats=FORMATS, precision: str = "float32", output
                          "train to the end first (the model is saved when a run finishes)")
     model = inference.KerasPredictor(model_path, {}).model
     metadata = inference.run_metadata(run_dir)
-    images, source = _eval_images(metadata, tuple(model.input.shape[1:]), eval_batches, batch_size)
+    found = None
+    if model_kind(model) == "detector" and metadata.get("dataset"):
+        options = export_detector.options_for(model, detector_options, metadata.get("model"))
+        found = export_detector.eval_images(metadata, options["image_size"], options, eval_batches, batch_size)
+    images, source = found or _eval_images(metadata, tuple(model.input.shape[1:]), eval_batches, batch_size)
     metadata.update(source_model=os.path.abspath(model_path), compared_with=source)
     return export(model, output_dir or os.path.join(run_dir, "export"), formats, precision,
-                  metadata=metadata, reference_images=images)
+                  metadata=metadata, reference_images=images, detector_options=detector_options)
 
 
 def _eval_images(metadata: dict, image_shape, batches: int, batch_size: int):

@@ -100,6 +100,28 @@ class Predictor:
     def predict_batch(self, images: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def predict_outputs(self, images: np.ndarray, batch_size: int = 64, **kwargs) -> dict:
+        """Every named output ({"probabilities"} for a classifier, {"classes", "boxes"} raw
+        outputs of a detector), float32 numpy, batch by batch."""
+        batches = [self.outputs_batch(np.asarray(images[start:start + batch_size], np.float32), **kwargs)
+                   for start in range(0, len(images), batch_size)]
+        return {key: np.concatenate([batch[key] for batch in batches]) for key in batches[0]}
+
+    def outputs_batch(self, images: np.ndarray) -> dict:
+        return {"probabilities": self.predict_batch(images)}
+
+    def detector_outputs(self, images: np.ndarray, batch_size: int = 64) -> tuple[dict, dict]:
+        """(raw outputs, detections) of a detector artifact; the detections are decoded here
+        exactly as an exported SavedModel's serving_default decodes them (export.json's
+        "detector" section: anchors, thresholds)."""
+        from tfmp import export_detector
+
+        if not self.metadata.get("detector"):
+            raise UsageError(f"{self.path!r} is not an exported detector (its export.json has no "
+                             "detector section); export the run with apps.export first")
+        raw = self.predict_outputs(images, batch_size)
+        return raw, export_detector.decode(raw, self.metadata["detector"])
+
 
 class KerasPredictor(Predictor):
     format = "keras"
@@ -126,6 +148,12 @@ class KerasPredictor(Predictor):
     def predict_batch(self, images):
         return np.asarray(tf.cast(self._call(tf.constant(images)), tf.float32))
 
+    def outputs_batch(self, images):
+        outputs = self._call(tf.constant(images))
+        if not isinstance(outputs, dict):
+            outputs = {"probabilities": outputs}
+        return {key: np.asarray(tf.cast(value, tf.float32)) for key, value in outputs.items()}
+
 
 class SavedModelPredictor(Predictor):
     format = "saved_model"
@@ -148,6 +176,20 @@ class SavedModelPredictor(Predictor):
         outputs = self.serve(**{self.input_name: tf.constant(images)})
         return np.asarray(outputs["probabilities"] if "probabilities" in outputs
                           else next(iter(outputs.values())))
+
+    def outputs_batch(self, images, signature: str = "serving_default"):
+        outputs = self.loaded.signatures[signature](**{self.input_name: tf.constant(images)})
+        return {key: value.numpy() for key, value in outputs.items()}
+
+    def detector_outputs(self, images, batch_size=64):
+        """(raw outputs from the `raw_outputs` signature, detections from serving_default)."""
+        from tfmp import export_detector
+
+        if export_detector.RAW_SIGNATURE not in self.loaded.signatures:
+            raise UsageError(f"SavedModel {self.path!r} is not an exported detector (no "
+                             f"{export_detector.RAW_SIGNATURE} signature)")
+        raw = self.predict_outputs(images, batch_size, signature=export_detector.RAW_SIGNATURE)
+        return raw, self.predict_outputs(images, batch_size)
 
 
 def tflite_interpreter_class():
@@ -186,6 +228,14 @@ class TFLitePredictor(Predictor):
         self.interpreter.invoke()
         return self.interpreter.get_tensor(self.output_index).copy()
 
+    def outputs_batch(self, images):
+        # The signature runner names the outputs (a detector's "classes" and "boxes") and
+        # resizes its input tensor to each batch.
+        if not hasattr(self, "_runner"):
+            self._runner = self.interpreter.get_signature_runner("serving_default")
+        return {key: np.asarray(value).copy() for key, value in self._runner(**{
+            next(iter(self._runner.get_input_details())): images}).items()}
+
 
 # ----------------------------------------------------------------------------- finding artifacts
 def read_run_flags(run_dir: str) -> dict:
@@ -212,7 +262,16 @@ def run_metadata(run_dir: str) -> dict:
     metadata = {"model": flags.get("model"), "dataset": dataset, "data_dir": flags.get("data_dir"),
                 "image_size": int(image_size) if image_size and image_size.isdigit() else None,
                 "class_names": None}
-    if dataset:
+    if dataset and is_detector_run(run_dir):
+        from tfmp.detection import data as detection_data
+
+        try:  # a detection dataset's names (classification's "shapes" has other classes)
+            info = detection_data.describe(dataset, image_size=metadata["image_size"],
+                                           data_dir=metadata["data_dir"])
+            metadata["class_names"] = list(info.class_names)
+        except Exception:
+            pass
+    elif dataset:
         from tfmp import data
 
         try:  # names need the dataset's description only (a folder listing, TFDS metadata)
@@ -221,6 +280,24 @@ def run_metadata(run_dir: str) -> dict:
         except Exception:  # the data moved or TFDS is missing: predict without names
             pass
     return metadata
+
+
+def is_detector_run(run_dir: str) -> bool:
+    """Whether a training run dir trained a detector (its flags.txt names one)."""
+    from tfmp.models import retinanet
+
+    return read_run_flags(run_dir).get("model") in retinanet.DETECTORS
+
+
+def is_detector(path: str) -> bool:
+    """Whether --model `path` (run dir, export dir, SavedModel dir, file) holds a detector."""
+    path = os.path.normpath(os.path.expanduser(path))
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    for folder in (directory, os.path.dirname(directory)):  # an export's SavedModel: its parent
+        metadata = _export_metadata(folder)
+        if metadata is not None:
+            return metadata.get("kind") == "detector"
+    return is_detector_run(directory)
 
 
 def _export_metadata(directory: str) -> dict | None:
