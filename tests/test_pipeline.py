@@ -10,7 +10,7 @@ import tensorflow as tf
 from tfmp import models, pipeline, precision
 from tfmp.engine import Engine
 from tfmp.errors import UsageError
-from tfmp.train import compile_classifier
+from tfmp.classification import compile_classifier
 
 SHAPE = (16, 16, 1)
 BATCH = 16

@@ -48,7 +48,7 @@ def _build(model_name, image_size, policy, devices=None, micro_batches=1):
 
     from tfmp import models, pipeline, precision
     from tfmp.engine import Engine
-    from tfmp.train import compile_classifier
+    from tfmp.classification import compile_classifier
 
     keras.utils.set_random_seed(0)
     strategy = tf.distribute.get_strategy()

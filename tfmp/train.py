@@ -23,7 +23,6 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import classification, distribute, optim, pipeline, precision, pruning
-from tfmp.classification import compile_classifier  # noqa: F401  (kept importable from here)
 from tfmp.checkpoint import Checkpoints
 from tfmp.engine import Engine
 from tfmp.errors import UsageError, unknown
