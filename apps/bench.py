@@ -1,6 +1,7 @@
 """Measure what each switch buys on this hardware: precision, replicas, workers, XLA.
 
     python -m apps.bench --flagfile=configs/bench_cpu_quick.cfg          # a few minutes on 2 cores
+    python -m apps.bench --flagfile=configs/bench_parallelism_cpu.cfg    # detector, pipeline, threads
     python -m apps.bench --mode=inference --models=seed_cnn,resnet20 --precisions=float32,bfloat16,float16
     python -m apps.bench --models=resnet50 --precisions=float32,mixed_float16 --replicas=1,8 \\
         --image_size=224 --global_batch_size=128 --xla=off,on               # a GPU host
@@ -9,6 +10,12 @@ Each cell runs in its own process, warm-up excluded, `--repeats` timed repeats (
 spread). Prints the table, writes bench.json (every figure, hardware, versions) and bench.png
 into --output_dir. Batch sizes are per 1-replica cell: N replicas or workers get N x the batch
 (weak scaling, as in NVIDIA's tables).
+
+--models also takes detectors (retinanet_tiny: images/s on the built-in detection shapes at
+--image_size, a multiple of 32). --pipeline_micro_batches=1,2,4,8 adds one pipeline cell
+(`tfmp.bench_pipeline`: K=2 stages on two devices against the unsplit --study_model);
+--threads_study adds the compute-parallelism cells (`tfmp.bench_threads`: intra-op, inter-op
+and tf.data threads 2 vs 1, steps per host call 10 vs 1, Python threads vs the GIL).
 
 --mode=inference exports each model in each --precisions (float32, float16, bfloat16, mixed,
 auto) as --export_formats and times every artifact next to the Keras model in float32: batch-1
@@ -22,7 +29,7 @@ from tfmp import bench, bench_inference, bench_report
 from tfmp.errors import UsageError
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["seed_cnn"], "Model builders to measure.")
+flags.DEFINE_list("models", ["seed_cnn"], "Model builders to measure (classifiers, or detectors: retinanet_tiny).")
 flags.DEFINE_list("precisions", ["float32", "auto"], "float32, mixed_float16, mixed_bfloat16, auto, mixed.")
 flags.DEFINE_list("replicas", ["1"], "MirroredStrategy replica counts (GPUs, or logical CPUs).")
 flags.DEFINE_list("workers", [], "Local MultiWorkerMirrored worker counts (tfmp.launch, one core/GPU share each).")
@@ -42,6 +49,12 @@ flags.DEFINE_integer("repeats", 5, "Timed repeats per cell (median and spread)."
 flags.DEFINE_bool("references", True, "Also measure plain Keras fit and synthetic-input references.")
 flags.DEFINE_bool("cache", False, "Cache decoded examples (real-data cells).")
 flags.DEFINE_string("output_dir", "bench", "Where bench.json and bench.png go.")
+flags.DEFINE_list("pipeline_micro_batches", [], "M values of one K=2 pipeline cell vs the unsplit model (empty: none).")
+flags.DEFINE_bool("threads_study", False, "Also measure TF/tf.data threads, steps per call, Python threads.")
+flags.DEFINE_integer("threads_rounds", 2, "--threads_study: runs of the thread cells in turn (best of).")
+flags.DEFINE_string("study_model", "seed_cnn", "Classifier of the pipeline and thread studies.")
+flags.DEFINE_integer("study_image_size", 32, "Image size of the pipeline and thread studies.")
+flags.DEFINE_integer("study_batch_size", 64, "Global batch of the pipeline and thread studies.")
 
 
 def _integers(name: str) -> list[int]:
@@ -83,11 +96,17 @@ def main(argv):
         mode=FLAGS.mode, image_size=FLAGS.image_size, warmup_executions=FLAGS.warmup_executions,
         executions=FLAGS.executions, min_repeat_seconds=FLAGS.min_repeat_seconds,
         repeats=FLAGS.repeats, references=FLAGS.references,
-        cache=FLAGS.cache, output_dir=FLAGS.output_dir)
+        cache=FLAGS.cache, output_dir=FLAGS.output_dir,
+        pipeline_micro_batches=_integers("pipeline_micro_batches"), threads_study=FLAGS.threads_study,
+        threads_rounds=FLAGS.threads_rounds, study_model=FLAGS.study_model, study_image_size=FLAGS.study_image_size,
+        study_batch_size=FLAGS.study_batch_size)
     report = bench.run(config, progress=lambda line: print(line, flush=True))
     print()
     print(bench_report.table(report["cells"], report["ratios"]))
-    print(f"\nwrote {config.output_dir}/bench.json" + (f" and {report['chart']}" if report["chart"] else ""))
+    load = report["load_average"]
+    print(f"\nload average (1/5/15 min) before {load['before']}, after {load['after']} on "
+          f"{report['hardware']['cpu_cores']} cores")
+    print(f"wrote {config.output_dir}/bench.json" + (f" and {report['chart']}" if report["chart"] else ""))
 
 
 if __name__ == "__main__":

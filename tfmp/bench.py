@@ -9,6 +9,13 @@ Every cell runs in a fresh process (`tfmp.bench_cell`; multi-worker cells throug
 repeats reported as median and min-max spread. Side by side in the same run: the matmul peak
 per precision, the same model under plain Keras `fit` (engine overhead) and fed from synthetic
 in-memory tensors (input-pipeline overhead). Ratios come only from cells measured here.
+A detector in `models` (e.g. retinanet_tiny) trains on the built-in detection `shapes` data
+at `image_size` (a multiple of 32); it gets no Keras-fit reference (its losses are tfmp's).
+Two optional studies on `study_model` (a classifier) at `study_image_size` / `study_batch_size`:
+`pipeline_micro_batches` adds one `pipeline` cell (`tfmp.bench_pipeline`: K=2 stages on two
+devices for each M, against the unsplit model); `threads_study` adds the thread cells of
+`tfmp.bench_threads` (intra-op, inter-op and tf.data threads, steps per host call, Python
+threads vs the GIL).
 Writes `bench.json`, `bench.png` and prints the table.
 """
 
@@ -24,6 +31,7 @@ import time
 
 from tfmp import bench_report
 from tfmp.bench_cell import RESULT_PREFIX
+from tfmp.bench_cell import is_detector as _is_detector
 from tfmp.errors import UsageError, unknown
 
 MODES = ("train", "inference")
@@ -52,14 +60,26 @@ class BenchConfig:
     cache: bool = False
     output_dir: str = "bench"
     cell_timeout: float = 1800
+    pipeline_micro_batches: list[int] = dataclasses.field(default_factory=list)  # [] = no pipeline cell
+    threads_study: bool = False
+    threads_rounds: int = 2  # the thread cells run this many times in turn; each keeps its best
+    study_model: str = "seed_cnn"  # the classifier of the pipeline and thread studies
+    study_image_size: int = 32
+    study_batch_size: int = 64
 
 
 def validate(config: BenchConfig) -> None:
     from tfmp import models, precision
 
     for name in config.models + config.ratio_models:
-        if name not in models.MODELS:
-            raise unknown("model", name, models.MODELS)
+        if name not in models.MODELS and not _is_detector(name):
+            raise unknown("model", name, [*models.MODELS, *_detectors()])
+    if any(_is_detector(name) for name in config.models):
+        if config.data not in DATA_KINDS:
+            raise UsageError(f"--data={config.data} is not for detectors here; use synthetic or builtin (shapes)")
+        if config.image_size < 32 or config.image_size % 32:
+            raise UsageError(f"--image_size={config.image_size} for a detector must be a multiple of 32, e.g. 128")
+    _validate_studies(config)
     for name in config.precisions:
         if name not in precision.CHOICES:
             raise unknown("precision", name, precision.CHOICES)
@@ -80,6 +100,47 @@ def validate(config: BenchConfig) -> None:
             raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")
     if config.warmup_executions < 1:
         raise UsageError("--warmup_executions must be >= 1: the first call traces and compiles")
+
+
+def _detectors():
+    from tfmp.models import retinanet
+
+    return retinanet.DETECTORS
+
+
+def _validate_studies(config: BenchConfig) -> None:
+    from tfmp import models
+
+    if (config.threads_study or config.pipeline_micro_batches) and config.study_model not in models.MODELS:
+        raise unknown("study model (a classifier)", config.study_model, models.MODELS)
+    for flag in ("study_image_size", "study_batch_size", "threads_rounds"):
+        if getattr(config, flag) < 1:
+            raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")
+    for micro in config.pipeline_micro_batches:
+        if micro < 1 or config.study_batch_size % micro:
+            raise UsageError(f"--pipeline_micro_batches value {micro} must be >= 1 and divide "
+                             f"--study_batch_size={config.study_batch_size}")
+
+
+def study_cells(config: BenchConfig) -> list[dict]:
+    """The pipeline cell and the thread-study cells the config asks for."""
+    from tfmp import bench_threads
+
+    result = []
+    if config.pipeline_micro_batches:
+        result.append({"kind": "pipeline", "model": config.study_model, "image_size": config.study_image_size,
+                       "global_batch_size": config.study_batch_size,
+                       "micro_batches": list(config.pipeline_micro_batches),
+                       "steps": config.steps_per_execution, "repeats": config.repeats,
+                       "precision": config.precisions[0]})
+    if config.threads_study:
+        timing = {"warmup_executions": config.warmup_executions, "executions": config.executions,
+                  "min_repeat_seconds": config.min_repeat_seconds, "repeats": config.repeats}
+        result += bench_threads.cells(config.study_model, config.study_image_size, config.study_batch_size, timing,
+                                      config.threads_rounds)
+        # A unit of Python work as long as a timed repeat of the engine cells.
+        result.append(bench_threads.python_cell(config.min_repeat_seconds))
+    return result
 
 
 def cells(config: BenchConfig) -> list[dict]:
@@ -108,18 +169,31 @@ def cells(config: BenchConfig) -> list[dict]:
                     for workers in (config.workers if ratios else []):
                         result.append(dict(common, kind="engine", replicas=1, workers=workers,
                                            global_batch_size=config.global_batch_size * workers))
-                    if config.references and ratios:
+                    # Keras fit would need the detector's own losses: detectors get the input reference only.
+                    if config.references and ratios and _is_detector(model):
+                        if config.data != "synthetic":
+                            result.append(dict(common, kind="engine", replicas=1, workers=0, data="synthetic",
+                                               reference="input", global_batch_size=config.global_batch_size))
+                    elif config.references and ratios:
                         single = dict(common, replicas=1, workers=0,
                                       global_batch_size=config.global_batch_size)
                         result.append(dict(single, kind="fit"))
                         if config.data != "synthetic":
                             result.append(dict(single, kind="engine", data="synthetic", reference="input"))
-    return result
+    return result + study_cells(config)
 
 
 def describe_cell(cell: dict) -> str:
     if cell["kind"] == "peak":
         return f"matmul peak {cell['precision']}"
+    if cell["kind"] == "pipeline":
+        return (f"pipeline {cell['model']} K=2 M={','.join(map(str, cell['micro_batches']))} vs unsplit, "
+                f"batch {cell['global_batch_size']}")
+    if cell["kind"] == "python_threads":
+        return "Python threads vs processes (GIL), TensorFlow on 2 Python threads"
+    if cell.get("study") == "threads":
+        return (f"threads round {cell['round']} {cell['knob']}: {cell['model']} intra {cell['intra_op_threads']} inter "
+                f"{cell['inter_op_threads']} data {cell['data_threads']} steps/call {cell['steps_per_execution']}")
     devices = f"{cell['workers']} worker(s)" if cell["workers"] else f"{cell['replicas']} replica(s)"
     kind = {"fit": " [keras fit]", "engine": ""}[cell["kind"]]
     data = " [synthetic input]" if cell.get("reference") == "input" else ""
@@ -149,6 +223,27 @@ def measure(cell: dict, timeout: float) -> dict:
                        + " | ".join(tail))
 
 
+def _headline(result: dict) -> str:
+    """The one figure a progress line shows for a cell's result."""
+    if "examples_per_sec" in result:
+        return f"{result['examples_per_sec']:,.1f} examples/s"
+    if "peak_flops" in result:
+        return f"{result['peak_flops'] / 1e9:,.1f} GFLOP/s"
+    if "rows" in result:
+        return "pipeline rows " + ", ".join(f"{row['relative']:.2f}x" for row in result["rows"][1:]) + " of unsplit"
+    seconds = result["python_seconds"]
+    return (f"pure Python 2 threads {seconds['one_thread'] / seconds['two_threads']:.2f}x, "
+            f"2 processes {seconds['one_thread'] / seconds['two_processes']:.2f}x of 1 thread")
+
+
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages: how busy the (shared) machine was around the run."""
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def hardware() -> dict:
     info = {"machine": platform.machine(), "cpu_cores": os.cpu_count(), "python": platform.python_version(),
             "cpu": platform.processor()}
@@ -172,13 +267,11 @@ def run(config: BenchConfig, progress=print) -> dict:
 
     planned = cells(config)
     os.makedirs(config.output_dir, exist_ok=True)
-    started = time.time()
+    started, load_before = time.time(), load_average()
     for index, cell in enumerate(planned, 1):
         progress(f"[{index}/{len(planned)}] {describe_cell(cell)} ...")
         cell["result"] = measure(cell, config.cell_timeout)
-        figure = cell["result"].get("examples_per_sec") or cell["result"]["peak_flops"] / 1e9
-        unit = "examples/s" if "examples_per_sec" in cell["result"] else "GFLOP/s"
-        progress(f"[{index}/{len(planned)}] {describe_cell(cell)}: {figure:,.1f} {unit} "
+        progress(f"[{index}/{len(planned)}] {describe_cell(cell)}: {_headline(cell['result'])} "
                  f"({time.time() - started:.0f} s so far)")
     report = {
         "config": dataclasses.asdict(config),
@@ -188,6 +281,7 @@ def run(config: BenchConfig, progress=print) -> dict:
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
         "cells": planned,
         "seconds": round(time.time() - started, 1),
+        "load_average": {"before": load_before, "after": load_average()},
     }
     report["ratios"] = bench_report.derive(planned)
     with open(os.path.join(config.output_dir, "bench.json"), "w", encoding="utf-8") as file:

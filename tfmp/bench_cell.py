@@ -10,7 +10,14 @@ device splits, peak memory and compiled graphs never leak between cells. A cell 
 
 `engine` times tfmp's Engine, `fit` the same model and data under plain Keras `model.fit` /
 `predict`, `peak` a large matmul in the precision's compute dtype (the FLOP/s ceiling the
-cells are compared to). The result is printed as one line: `BENCH_RESULT {json}`.
+cells are compared to). A detector name as "model" (`tfmp.models.retinanet.DETECTORS`) trains
+it on the built-in detection `shapes` data (anchors matched in the input pipeline; "synthetic"
+repeats one such batch). Optional keys "intra_op_threads", "inter_op_threads" (set before
+TensorFlow starts) and "data_threads" (tf.data private pool) change the thread settings.
+Two more kinds: `pipeline` (`tfmp.bench_pipeline.measure` rows, "model", "image_size",
+"global_batch_size", "micro_batches", "steps", "repeats", "precision") and `python_threads`
+(`tfmp.bench_threads.measure_python_threads`, "unit_seconds").
+The result is printed as one line: `BENCH_RESULT {json}`.
 """
 
 from __future__ import annotations
@@ -27,7 +34,15 @@ RESULT_PREFIX = "BENCH_RESULT "
 MNIST_SHAPED = ("mnist_mlp", "lenet")
 
 
+def is_detector(name: str) -> bool:
+    from tfmp.models import retinanet
+
+    return name in retinanet.DETECTORS
+
+
 def _dataset_spec(cell: dict) -> str:
+    if is_detector(cell["model"]):
+        return "shapes"  # the detection flavour (boxes), see _detector_setup
     if cell["data"] == "builtin":
         return "digits" if cell["model"] in MNIST_SHAPED else "shapes"
     return cell["data"]
@@ -70,28 +85,66 @@ def measure_peak(policy: str) -> dict:
     return {"peak_flops": max(runs), "matmul_size": size, "dtype": dtype}
 
 
-def _build(cell: dict, strategy, info, policy: str):
+def _classifier_setup(cell: dict, strategy, policy: str):
+    """(compiled classifier, optimizer, dataset_fn(input_context), image shape)."""
     import keras
 
-    from tfmp import models, precision
+    from tfmp import data, models, precision
     from tfmp.classification import compile_classifier
 
+    spec = _dataset_spec(cell)
+    image_size = _image_size(cell, spec)
+    info = data.describe(spec, image_size=image_size)
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = models.build(cell["model"], info.image_shape, info.num_classes, dtype=policy)
         optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy, "auto")
     compile_classifier(model, optimizer, strategy)
-    return model, optimizer
+
+    def dataset_fn(context):
+        return data.load(spec, "train", cell["global_batch_size"], image_size=image_size,
+                         input_context=context, cache=cell.get("cache", False))[0]
+
+    return model, optimizer, dataset_fn, info.image_shape
 
 
-def _time_engine(cell, strategy, model, optimizer, spec, image_size, timer):
+def _detector_setup(cell: dict, strategy, policy: str):
+    """(compiled detector, optimizer, dataset_fn(input_context), image shape) on `shapes`."""
+    import keras
+
+    from tfmp import precision
+    from tfmp.detection import boxes
+    from tfmp.detection import data as detection_data
+    from tfmp.detection.task import compile_detector
+    from tfmp.models import retinanet
+
+    size = cell["image_size"]
+    info = detection_data.describe("shapes", image_size=size)
+    anchors = boxes.generate_anchors(size, retinanet.anchor_config(cell["model"]))
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = retinanet.build_detector(cell["model"], size, info.num_classes, dtype=policy)
+        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy, "auto")
+    compile_detector(model, optimizer, strategy, int(anchors.shape[0]))
+
+    def dataset_fn(context):
+        dataset = detection_data.load("shapes", "train", cell["global_batch_size"], anchors=anchors,
+                                      image_size=size, input_context=context)[0]
+        # Synthetic reference: one real batch (drawn and anchor-matched once) repeated, so the
+        # input pipeline's cost drops out and the step is the same work.
+        return dataset.take(1).cache().repeat() if cell["data"] == "synthetic" else dataset
+
+    return model, optimizer, dataset_fn, (size, size, 3)
+
+
+def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
     from tfmp import data
     from tfmp.engine import Engine
 
     engine = Engine(strategy, model, optimizer, xla=cell["xla"])
+    threads = cell.get("data_threads", 0)
     dataset = strategy.distribute_datasets_from_function(
-        lambda context: data.load(spec, "train", cell["global_batch_size"], image_size=image_size,
-                                  input_context=context, cache=cell.get("cache", False))[0])
+        lambda context: data.with_threads(dataset_fn(context), threads))
     iterator = iter(dataset)
     run = engine.train if cell["mode"] == "train" else engine.infer
 
@@ -106,13 +159,12 @@ def _time_engine(cell, strategy, model, optimizer, spec, image_size, timer):
     return timer(executions)
 
 
-def _time_fit(cell, strategy, model, optimizer, spec, image_size, timer):
+def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
     import keras
 
     from tfmp import data
 
-    dataset = data.load(spec, "train", cell["global_batch_size"], image_size=image_size,
-                        cache=cell.get("cache", False))[0]
+    dataset = data.with_threads(dataset_fn(None), cell.get("data_threads", 0))
     with strategy.scope():
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(),
                       metrics=["accuracy"], steps_per_execution=cell["steps_per_execution"],
@@ -166,13 +218,21 @@ def _timer(cell):
 
 
 def measure(cell: dict) -> dict:
-    """Runs the cell in this process (devices are split here: call once per process)."""
+    """Runs the cell in this process (devices and thread pools are set here: once per process)."""
     if cell["kind"] == "peak":
         return measure_peak(cell["precision"])
-    from tfmp import data, distribute, models, precision
+    if cell["kind"] == "python_threads":
+        from tfmp import bench_threads
+
+        return bench_threads.measure_python_threads(cell["unit_seconds"])
+    from tfmp import distribute, models, precision
 
     import tensorflow as tf
 
+    # Before anything starts TensorFlow's runtime: it fixes its thread pools then.
+    distribute.set_threads(cell.get("intra_op_threads", 0), cell.get("inter_op_threads", 0))
+    if cell["kind"] == "pipeline":
+        return _measure_pipeline(cell)
     # Ampere+ GPUs run float32 matmuls in TF32 unless told not to; a no-op elsewhere.
     tf.config.experimental.enable_tensor_float_32_execution(cell.get("tf32", True))
     replicas = cell.get("replicas", 1)
@@ -181,12 +241,10 @@ def measure(cell: dict) -> dict:
     strategy = distribute.get_strategy("multi_worker" if multi_worker else
                                        ("mirrored" if replicas > 1 else "default"))
     policy = precision.resolve(cell["precision"]).policy
-    spec = _dataset_spec(cell)
-    image_size = _image_size(cell, spec)
-    info = data.describe(spec, image_size=image_size)
-    model, optimizer = _build(cell, strategy, info, policy)
+    setup = _detector_setup if is_detector(cell["model"]) else _classifier_setup
+    model, optimizer, dataset_fn, image_shape = setup(cell, strategy, policy)
     timing = _time_fit if cell["kind"] == "fit" else _time_engine
-    repeats = timing(cell, strategy, model, optimizer, spec, image_size, _timer(cell))
+    repeats = timing(cell, strategy, model, optimizer, dataset_fn, _timer(cell))
 
     steps = cell["steps_per_execution"]
     batch = cell["global_batch_size"]
@@ -196,7 +254,7 @@ def measure(cell: dict) -> dict:
     flops_per_step = forward_flops * (3 if cell["mode"] == "train" else 1)
     median_step = statistics.median(step_times)
     result = {
-        "policy": policy, "dataset": spec, "image_shape": list(info.image_shape),
+        "policy": policy, "dataset": _dataset_spec(cell), "image_shape": list(image_shape),
         "replicas": strategy.num_replicas_in_sync, "workers": distribute.describe(strategy).workers,
         "examples_per_sec": statistics.median(throughputs),
         "examples_per_sec_min": min(throughputs), "examples_per_sec_max": max(throughputs),
@@ -205,10 +263,24 @@ def measure(cell: dict) -> dict:
         "flops_per_step": flops_per_step,
         "flops_per_sec": flops_per_step / median_step,
         "peak_host_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
     }
     result["examples_per_sec_per_replica"] = result["examples_per_sec"] / result["replicas"]
     result.update(_gpu_memory())
     return result
+
+
+def _measure_pipeline(cell: dict) -> dict:
+    """K=2 pipelines against the unsplit model (`tfmp.bench_pipeline`; it splits the CPU)."""
+    from tfmp import bench_pipeline, precision
+
+    rows = bench_pipeline.measure(cell["model"], image_size=cell["image_size"],
+                                  global_batch=cell["global_batch_size"],
+                                  micro_batches=tuple(cell["micro_batches"]), steps=cell["steps"],
+                                  repeats=cell["repeats"],
+                                  policy=precision.resolve(cell["precision"]).policy)
+    return {"rows": rows}
 
 
 def _gpu_memory() -> dict:

@@ -6,10 +6,14 @@
 
 Every ratio divides two cells of the same run: speedup vs the float32 cell, scaling efficiency
 vs the 1-replica (or 1-worker) cell, tfmp engine vs plain Keras fit, real input vs synthetic
-tensors, achieved model FLOP/s vs the matmul peak of the same precision.
+tensors, achieved model FLOP/s vs the matmul peak of the same precision. The optional studies
+add their own rows: "pipeline" (each K=2, M row of the pipeline cell: throughput relative to
+the unsplit model, bubble measured and in theory) and "threads" (`tfmp.bench_threads.rows`).
 """
 
 from __future__ import annotations
+
+from tfmp import bench_pipeline, bench_threads
 
 
 def _key(cell: dict, **changes) -> tuple:
@@ -19,7 +23,7 @@ def _key(cell: dict, **changes) -> tuple:
 
 
 def _main_cells(cells: list[dict]) -> list[dict]:
-    return [c for c in cells if c["kind"] == "engine" and not c.get("reference")]
+    return [c for c in cells if c["kind"] == "engine" and not c.get("reference") and not c.get("study")]
 
 
 def derive(cells: list[dict]) -> dict:
@@ -59,7 +63,21 @@ def derive(cells: list[dict]) -> dict:
                 ratios["input_vs_synthetic"].append(dict(
                     model=cell["model"], precision=cell["precision"], xla=cell["xla"],
                     value=real / cell["result"]["examples_per_sec"]))
+    ratios["pipeline"] = _pipeline_rows(cells)
+    ratios["threads"] = bench_threads.rows(cells)
     return ratios
+
+
+def _pipeline_rows(cells: list[dict]) -> list[dict]:
+    """One ratio row per K=2, M row of a measured pipeline cell."""
+    result = []
+    for cell in cells:
+        if cell["kind"] == "pipeline" and "result" in cell:
+            for row in cell["result"]["rows"][1:]:
+                result.append({"model": cell["model"], "stages": row["stages"], "micro_batches": row["micro_batches"],
+                               "value": row["relative"], "bubble_theory": row["bubble_theory"],
+                               "bubble_measured": row["bubble_measured"]})
+    return result
 
 
 def _real_data(cells: list[dict], reference: dict) -> str:
@@ -100,6 +118,13 @@ def table(cells: list[dict], ratios: dict) -> str:
         for ratio in ratios[name]:
             lines.append(f"{title}: {ratio['model']} {ratio['precision']} xla={'on' if ratio['xla'] else 'off'}: "
                          f"{ratio['value']:.3f}")
+    for cell in cells:
+        if cell["kind"] == "pipeline":
+            lines += ["", f"pipeline: {cell['model']} {cell['result']['rows'][0]['policy']}, global batch "
+                          f"{cell['global_batch_size']}, K=2 stages vs the unsplit model (rel)",
+                      bench_pipeline.table(cell["result"]["rows"])]
+    if ratios.get("threads"):
+        lines += ["", "compute parallelism (baseline / variant, same run):", bench_threads.table(ratios["threads"])]
     return "\n".join(lines)
 
 

@@ -1,0 +1,148 @@
+"""apps.bench's detector cells, pipeline cell and thread study: planned, run tiny, ratios present.
+
+Timing is never asserted: only that each cell ran with the settings it asked for and that every
+ratio the README quotes is in bench.json and the printed table.
+"""
+
+import json
+import math
+
+import pytest
+
+from conftest import run_python
+from tfmp import bench, bench_report, bench_threads
+from tfmp.errors import UsageError
+
+
+def _config(**changes):
+    values = dict(models=["retinanet_tiny"], precisions=["float32", "auto"], data="builtin", image_size=64,
+                  pipeline_micro_batches=[1, 2], threads_study=True)
+    values.update(changes)
+    return bench.BenchConfig(**values)
+
+
+def test_cells_plan_detector_pipeline_and_thread_cells():
+    config = _config()
+    bench.validate(config)
+    planned = bench.cells(config)
+    detector = [c for c in planned if c.get("model") == "retinanet_tiny"]
+    assert {(c["kind"], c["precision"], c.get("reference")) for c in detector} == {
+        ("engine", "float32", None), ("engine", "auto", None),
+        ("engine", "float32", "input"), ("engine", "auto", "input")}  # no Keras-fit cell for detectors
+    pipeline = [c for c in planned if c["kind"] == "pipeline"]
+    assert len(pipeline) == 1 and pipeline[0]["micro_batches"] == [1, 2]
+    assert pipeline[0]["model"] == "seed_cnn" and pipeline[0]["global_batch_size"] == 64
+    threads = [c for c in planned if c.get("study") == "threads" and c["kind"] == "engine"]
+    one_round = ["baseline"] + [knob for knob, _, _ in bench_threads.VARIANTS]
+    assert [c["knob"] for c in threads] == one_round * 2  # two rounds in turn by default
+    assert [c["round"] for c in threads] == [1] * len(one_round) + [2] * len(one_round)
+    baseline = threads[0]
+    for cell in threads[1:len(one_round)]:  # each variant changes only its own knob(s)
+        changed = {key for key in baseline if cell.get(key) != baseline[key]} - {"knob"}
+        assert changed == set(dict((k, c) for k, c, _ in bench_threads.VARIANTS)[cell["knob"]]), cell["knob"]
+    assert sum(c["kind"] == "python_threads" for c in planned) == 1
+    assert all(bench.describe_cell(c) for c in planned)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(pipeline_micro_batches=[3]), "--pipeline_micro_batches value 3 must be >= 1 and divide"),
+    (dict(pipeline_micro_batches=[0]), "--pipeline_micro_batches value 0"),
+    (dict(image_size=100), "--image_size=100 for a detector must be a multiple of 32"),
+    (dict(data="tfds:voc/2007"), "is not for detectors here"),
+    (dict(study_model="retinanet_tiny"), "unknown study model"),
+    (dict(threads_rounds=0), "--threads_rounds=0 must be >= 1"),
+    (dict(models=["retinanet_huge"]), "unknown model 'retinanet_huge'"),
+])
+def test_bad_study_settings_are_one_line_errors(changes, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")) as error:
+        bench.validate(_config(**changes))
+    assert "\n" not in str(error.value)
+
+
+def _hand_made_cells():
+    thread_cells = bench_threads.cells("seed_cnn", 32, 64, {}, rounds=2)
+    # Round 2 is slower everywhere but for the baseline: each setting keeps its best round.
+    rounds = (200.0, 100.0, 190.0, 160.0, 50.0, 210.0) + (150.0, 90.0, 100.0, 100.0, 40.0, 100.0)
+    for cell, eps in zip(thread_cells, rounds):
+        cell["result"] = {"examples_per_sec": eps}
+    python = dict(bench_threads.python_cell(1.0), result={
+        "python_seconds": {"one_thread": 2.0, "two_threads": 2.1, "two_processes": 1.0},
+        "tensorflow_seconds": {"one_thread": 2.0, "two_threads": 1.25}})
+    unsplit = {"stages": 1, "micro_batches": None, "relative": 1.0, "policy": "float32",
+               "images_per_second": 100.0,
+               "devices": [{"device": "/device:CPU:0", "parameters": 10, "activation_bytes": 2**20}]}
+    split = dict(unsplit, stages=2, micro_batches=4, relative=0.8, images_per_second=80.0,
+                 bubble_theory=0.2, bubble_measured=0.45)
+    pipeline = {"kind": "pipeline", "model": "seed_cnn", "global_batch_size": 64, "result": {"rows": [unsplit, split]}}
+    return thread_cells + [python, pipeline]
+
+
+def test_study_ratios_and_table_from_hand_made_cells():
+    cells = _hand_made_cells()
+    ratios = bench_report.derive(cells)
+    threads = {row["knob"]: row["ratio"] for row in ratios["threads"]}
+    assert threads == pytest.approx({"intra_op_threads": 2.0, "inter_op_threads": 200 / 190, "data_threads": 1.25,
+                                     "steps_per_execution": 4.0, "tensorflow_defaults": 200 / 210,
+                                     "python_two_threads": 2 / 2.1, "python_two_processes": 2.0,
+                                     "tensorflow_two_threads": 1.6})
+    assert ratios["pipeline"] == [{"model": "seed_cnn", "stages": 2, "micro_batches": 4, "value": 0.8,
+                                   "bubble_theory": 0.2, "bubble_measured": 0.45}]
+    text = bench_report.table(cells, ratios)
+    assert "compute parallelism" in text and "2 vs 1 intra-op threads" in text and "= 2.00x" in text
+    assert "pure-Python loop: 2 processes vs 1 thread" in text
+    assert "pipeline: seed_cnn float32" in text and " 0.80 " in text
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("bench_parallelism")
+    result = run_python(["-m", "apps.bench", "--models=retinanet_tiny", "--image_size=64", "--global_batch_size=4",
+                         "--precisions=float32,mixed_bfloat16", "--data=synthetic",
+                         "--pipeline_micro_batches=1,2", "--threads_study", "--study_model=lenet",
+                         "--study_batch_size=8", "--threads_rounds=1", "--steps_per_execution=2", "--warmup_executions=1",
+                         "--executions=1", "--repeats=1", "--min_repeat_seconds=0",
+                         f"--output_dir={output}"], timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout, json.load(open(output / "bench.json"))
+
+
+@pytest.mark.slow  # one process per cell
+def test_detector_cells_give_images_per_second_and_speedup(tiny_run):
+    stdout, report = tiny_run
+    detector = [c for c in report["cells"] if c.get("model") == "retinanet_tiny"]
+    assert len(detector) == 2
+    for cell in detector:
+        assert cell["result"]["examples_per_sec"] > 0 and cell["result"]["image_shape"] == [64, 64, 3]
+    speedup = [r for r in report["ratios"]["speedup_vs_float32"] if r["model"] == "retinanet_tiny"]
+    assert len(speedup) == 1 and speedup[0]["precision"] == "mixed_bfloat16" and speedup[0]["value"] > 0
+    assert "retinanet_tiny" in stdout and "load average" in stdout
+    assert set(report["load_average"]) == {"before", "after"}
+
+
+@pytest.mark.slow
+def test_pipeline_cell_rows_in_json_and_table(tiny_run):
+    stdout, report = tiny_run
+    rows = report["ratios"]["pipeline"]
+    assert [row["micro_batches"] for row in rows] == [1, 2]
+    assert [row["bubble_theory"] for row in rows] == pytest.approx([0.5, 1 / 3])
+    for row in rows:
+        assert math.isfinite(row["value"]) and math.isfinite(row["bubble_measured"])
+    cell = next(c for c in report["cells"] if c["kind"] == "pipeline")
+    assert len(cell["result"]["rows"][1]["devices"]) == 2  # parameters/activations per device
+    assert "pipeline: lenet" in stdout
+
+
+@pytest.mark.slow
+def test_thread_study_cells_ran_with_their_settings_and_give_ratios(tiny_run):
+    stdout, report = tiny_run
+    for cell in (c for c in report["cells"] if c.get("study") == "threads" and c["kind"] == "engine"):
+        if cell["intra_op_threads"]:  # 0 = TensorFlow's default, whatever it resolves to
+            assert cell["result"]["intra_op_threads"] == cell["intra_op_threads"], cell["knob"]
+            assert cell["result"]["inter_op_threads"] == cell["inter_op_threads"], cell["knob"]
+    knobs = {row["knob"]: row for row in report["ratios"]["threads"]}
+    assert set(knobs) == {"intra_op_threads", "inter_op_threads", "data_threads", "steps_per_execution",
+                          "tensorflow_defaults", "python_two_threads", "python_two_processes",
+                          "tensorflow_two_threads"}
+    for row in knobs.values():
+        assert row["ratio"] > 0 and math.isfinite(row["ratio"])
+    assert "compute parallelism" in stdout and "pure-Python loop: 2 threads vs 1 thread" in stdout
