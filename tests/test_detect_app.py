@@ -47,9 +47,11 @@ def _replica_values(model):
 
 @pytest.mark.parametrize("xla", [False, True], ids=["xla_off", "xla_on"])
 @pytest.mark.parametrize("policy", precision.POLICIES)
-def test_every_precision_and_xla_cell_trains_under_mirrored(mirrored, policy, xla):
-    engine = _engine(mirrored, policy, xla)
-    result = engine.train(_batches(mirrored), 2)
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
+def test_every_strategy_precision_and_xla_cell_trains(mirrored, strategy_name, policy, xla):
+    strategy = mirrored if strategy_name == "mirrored" else tf.distribute.get_strategy()
+    engine = _engine(strategy, policy, xla)
+    result = engine.train(_batches(strategy), 2)
     assert np.isfinite(result.metrics["loss"]) and result.nonfinite_steps == 0
     for weight, copies in zip(engine.model.trainable_weights, _replica_values(engine.model)):
         assert weight.dtype == "float32"
@@ -112,6 +114,24 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_multi_worker_cells_train_every_precision_and_xla_identically():
+    result = run_python(["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "tests/mwms_detect_worker.py"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cells = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("[worker") and "] {" in line:
+            worker, record = int(line[8]), json.loads(line.split("] ", 1)[1])
+            cells.setdefault((record["policy"], record["xla"]), {})[worker] = record
+    assert len(cells) == 2 * len(precision.POLICIES)
+    for (policy, xla), workers in cells.items():
+        assert set(workers) == {0, 1}, (policy, xla)
+        for record in workers.values():
+            assert record["replicas"] == 2 and record["finite"] and record["float32"], record
+            assert np.isfinite(record["loss"]) and record["nonfinite"] == 0, record
+        assert workers[0]["checksum"] == workers[1]["checksum"], (policy, xla)
 
 
 @pytest.mark.slow
