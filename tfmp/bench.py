@@ -271,6 +271,7 @@ def run(config: BenchConfig, progress=print) -> dict:
     for index, cell in enumerate(planned, 1):
         progress(f"[{index}/{len(planned)}] {describe_cell(cell)} ...")
         cell["result"] = measure(cell, config.cell_timeout)
+        cell["load_average"] = load_average()  # the machine may be shared: how busy it was around this cell
         progress(f"[{index}/{len(planned)}] {describe_cell(cell)}: {_headline(cell['result'])} "
                  f"({time.time() - started:.0f} s so far)")
     report = {
