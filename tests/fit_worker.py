@@ -5,7 +5,8 @@
 
 The TensorFlow multi-worker tutorial's kind of model (logits, `from_logits=True`, SGD,
 `metrics=["accuracy"]`), shrunk to seconds, trained with `tfmp.fit`. Prints one JSON line:
-the per-step running losses and every weight, for tests/test_fit.py to compare.
+the per-step running losses, and writes every weight to `$FIT_WORKER_OUT/weights-<task>.npz`
+(one file per worker: a long JSON line could interleave with the other worker's output).
 """
 
 import json
@@ -68,9 +69,12 @@ def main():
     dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(GLOBAL_BATCH)
     recorder = StepLosses()
     history = tfmp.fit(model, dataset, epochs=1, callbacks=[recorder], verbose=0)
+    task = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0
+    if os.environ.get("FIT_WORKER_OUT"):
+        np.savez(os.path.join(os.environ["FIT_WORKER_OUT"], f"weights-{task}.npz"),
+                 *[w.numpy() for w in model.weights])
     print(json.dumps({"losses": recorder.losses, "history": history.history,
-                      "replicas": strategy.num_replicas_in_sync,
-                      "weights": [w.numpy().ravel().tolist() for w in model.weights]}), flush=True)
+                      "replicas": strategy.num_replicas_in_sync, "task": task}), flush=True)
 
 
 if __name__ == "__main__":

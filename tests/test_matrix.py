@@ -77,8 +77,11 @@ def test_multi_worker_cells_train_and_agree():
         assert (mine["policy"], mine["xla"]) == (theirs["policy"], theirs["xla"])
         assert mine["workers"] == 2 and mine["replicas"] == 2
         assert mine["finite"] and np.isfinite(mine["loss"])
-        # Every eval example counted once across both workers: the distributed accuracy is the
-        # one a single worker computes over the whole split.
-        assert mine["eval_accuracy"] == pytest.approx(mine["local_eval_accuracy"], abs=1e-6)
+        # Every eval example counted once across both workers: the distributed loss is the one a
+        # single worker computes over the whole split (a missing or doubled example would move it
+        # by ~5e-4 relative); accuracy may differ by a near-tie of this barely trained model.
+        local_loss, local_accuracy = mine["local_eval"]
+        assert mine["eval_loss"] == pytest.approx(local_loss, rel=2e-5)
+        assert mine["eval_accuracy"] == pytest.approx(local_accuracy, abs=1.01 / 2000)
         assert mine["eval_accuracy"] == theirs["eval_accuracy"]
         assert mine["checksum"] == theirs["checksum"], mine
