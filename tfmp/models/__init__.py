@@ -108,11 +108,23 @@ def count_flops(model: keras.Model, batch_size: int = 1) -> int:
         if isinstance(layer, keras.Model):
             total += count_flops(layer, batch_size=1)
         elif isinstance(layer, _COUNTED_LAYERS):
-            positions = layer.output.shape[1:-1]
-            if any(size is None for size in positions):
-                raise UsageError(
-                    f"count_flops needs a fixed input shape; layer {layer.name!r} has output "
-                    f"shape {layer.output.shape}"
-                )
-            total += 2 * math.prod(positions) * math.prod(layer.kernel.shape)
+            # A layer shared across calls (a detector's heads run on every pyramid level) costs
+            # once per call of this model; calls from other models sharing it do not count.
+            for output in _outputs_in(model, layer):
+                positions = output.shape[1:-1]
+                if any(size is None for size in positions):
+                    raise UsageError(
+                        f"count_flops needs a fixed input shape; layer {layer.name!r} has output "
+                        f"shape {output.shape}"
+                    )
+                total += 2 * math.prod(positions) * math.prod(layer.kernel.shape)
     return total * batch_size
+
+
+def _outputs_in(model: keras.Model, layer) -> list:
+    """The layer's output tensor of each of its calls inside `model` (Sequential: its one call)."""
+    own_nodes = getattr(model, "_nodes", None)
+    if not own_nodes:
+        return [layer.output]
+    return [node.outputs[0] for index, node in enumerate(layer._inbound_nodes)
+            if f"{id(layer)}_ib-{index}" in own_nodes]
