@@ -40,12 +40,16 @@ def _quiet_tensorflow() -> None:
     warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
 
 
-def run(main) -> None:
-    """absl's app.run; user errors are one line and exit 2, divergence 3, preemption 42."""
+def run(main, positional_arguments: bool = False) -> None:
+    """absl's app.run; user errors are one line and exit 2, divergence 3, preemption 42.
+
+    Training apps take flags only, so a stray word is an error; `positional_arguments=True`
+    passes them on (apps.predict's image paths).
+    """
 
     def guarded(argv):
         _quiet_tensorflow()
-        if len(argv) > 1:
+        if len(argv) > 1 and not positional_arguments:
             print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value", file=sys.stderr)
             sys.exit(EXIT_USAGE)
         try:

@@ -21,13 +21,12 @@ original image), "class": i, "name": ..., "score": s}, ...]}.
 
 import json
 import os
-import sys
 
-from absl import app, flags
+from absl import flags
 
 from apps import cli
 from tfmp import inference
-from tfmp.errors import EXIT_USAGE, UsageError
+from tfmp.errors import UsageError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Run dir, export dir, SavedModel dir, .tflite or .keras file.")
@@ -75,15 +74,5 @@ def _detect(model, images):
                                          FLAGS.output_dir)
 
 
-def _main_with_image_arguments(argv):
-    # apps.cli.run refuses positional arguments (training apps take none); predict's are images.
-    cli._quiet_tensorflow()
-    try:
-        main(argv)
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
 if __name__ == "__main__":
-    app.run(_main_with_image_arguments, flags_parser=cli._parse_flags)
+    cli.run(main, positional_arguments=True)  # the positional arguments are the image paths

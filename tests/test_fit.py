@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from conftest import ROOT, run_python
+from conftest import run_python
 from fit_worker import GLOBAL_BATCH, StepLosses, compile_tutorial, tutorial_data, tutorial_model
 from tfmp import precision
 from tfmp.errors import UsageError
