@@ -214,3 +214,16 @@ def test_same_script_on_two_workers_equals_one_process(reference, tmp_path):
             np.testing.assert_allclose(saved[f"arr_{index}"], want, atol=1e-5)
     # The run ends at a barrier: no worker loses its coordination-service peer while finishing.
     assert not re.search(r"heartbeat|UNAVAILABLE|Traceback", result.stdout + result.stderr, re.IGNORECASE)
+
+
+def test_a_users_model_is_pruned_through_the_keras_callback():
+    from tfmp import pruning
+
+    images, labels = tutorial_data()
+    model = _tutorial()
+    pruner = pruning.Pruner(model, pruning.PolynomialSchedule(0.5, begin_step=2, end_step=10, every=2))
+    history = tfmp.fit(model, _dataset(images, labels), epochs=1, verbose=0,
+                       callbacks=[pruning.PruningCallback(pruner)])
+    assert history.history["sparsity"] == [pytest.approx(0.5, abs=0.01)]
+    dense = model.layers[-2].kernel.numpy()  # pruned, and kept at zero through later steps
+    assert np.mean(dense == 0) == pytest.approx(0.5, abs=0.01)

@@ -114,6 +114,7 @@ class Loop:
         logs, log_step, log_started = {}, step, time.perf_counter()
         while step < epoch_end:
             num_steps = self._steps_in_call(step, epoch_end)
+            self.callbacks.on_train_batch_begin(step - epoch_start)
             logs, seconds = self._call(iterator, step, num_steps, preemption)
             step += num_steps
             for hook in self.hooks:
