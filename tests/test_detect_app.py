@@ -55,7 +55,8 @@ def test_every_strategy_precision_and_xla_cell_trains(mirrored, strategy_name, p
     assert np.isfinite(result.metrics["loss"]) and result.nonfinite_steps == 0
     for weight, copies in zip(engine.model.trainable_weights, _replica_values(engine.model)):
         assert weight.dtype == "float32"
-        np.testing.assert_array_equal(copies[0], copies[1])  # replicas identical
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0])  # replicas identical
 
 
 def test_two_replicas_equal_one_device_with_the_global_positive_count(mirrored):
