@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import math
 import os
+import time
 
 import tensorflow as tf
 from absl import logging
@@ -200,17 +201,22 @@ def global_sum(value):
 
 
 _barriers = itertools.count()
+LEADER_GRACE_SECONDS = 3.0
 
 
-def barrier(strategy: tf.distribute.Strategy, timeout_seconds: float = 600.0) -> None:
+def barrier(strategy: tf.distribute.Strategy, timeout_seconds: float = 600.0,
+            leader_grace_seconds: float = LEADER_GRACE_SECONDS) -> None:
     """Waits until every worker of a multi-worker run gets here; a no-op on one host.
 
-    Ending a run at a barrier lets the workers leave together: when worker 0 (the coordination
-    service's leader) exits while a peer is still saving or printing, that peer's heartbeat
-    fails and it logs a gRPC error at shutdown although the run succeeded.
+    Ending a run at a barrier lets the workers leave together. The coordination service lives in
+    the leader (the chief, else worker 0): when it exits while a peer is still tearing down, that
+    peer's agent fails to reach it and logs a gRPC error although the run succeeded. So after
+    the barrier the leader also gives its peers `leader_grace_seconds` to leave first.
     """
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return
     from tensorflow.python.eager import context  # the coordination service's barrier
 
     context.context().wait_at_barrier(f"tfmp_barrier_{next(_barriers)}", int(timeout_seconds * 1000))
+    if describe(strategy).is_chief:
+        time.sleep(leader_grace_seconds)
