@@ -86,8 +86,8 @@ def test_two_workers_match_one_process_and_only_the_chief_writes(tmp_path):
 
     single = run_python([*APP, "--strategy=default", *flags, f"--model_dir={tmp_path / 'single'}"])
     assert single.returncode == 0, single.stderr[-3000:]
-    multi = keras.models.load_model(run / "model.keras")
-    one = keras.models.load_model(tmp_path / "single" / "model.keras")
+    multi = keras.models.load_model(run / "model.keras", compile=False)
+    one = keras.models.load_model(tmp_path / "single" / "model.keras", compile=False)
     for a, b in zip(multi.weights, one.weights):
         # Same global batches; only the summation order of the gradients differs.
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
@@ -117,7 +117,7 @@ def test_pruning_under_two_workers_gives_identical_sparse_models(tmp_path):
     summaries = _summaries(result.stdout)
     assert _digest(summaries[0]) == _digest(summaries[1])  # same weights, so the same masks
     assert "sparsity 0.50" in summaries[0] and "sparsity 0.50" in summaries[1]
-    model = keras.models.load_model(tmp_path / "run" / "model.keras")
+    model = keras.models.load_model(tmp_path / "run" / "model.keras", compile=False)
     conv = model.get_layer("lenet_conv1").kernel.numpy()
     assert np.mean(conv == 0) == pytest.approx(0.5, abs=0.02)
 
