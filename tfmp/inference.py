@@ -15,6 +15,8 @@ dataset named in its `flags.txt` (resolved flags written by training).
 
 from __future__ import annotations
 
+import abc
+
 import dataclasses
 import json
 import os
@@ -78,8 +80,10 @@ def top_k(probabilities: np.ndarray, k: int, class_names=None) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- predictors
-class Predictor:
-    """A loaded artifact: `predict(float32 NHWC images) -> float32 probabilities`."""
+class Predictor(abc.ABC):
+    """A loaded artifact: `predict(float32 NHWC images) -> float32 probabilities`.
+
+    Subclasses (Keras, SavedModel, TFLite) say how to read the input shape and run one batch."""
 
     format = "?"
 
@@ -89,16 +93,18 @@ class Predictor:
         self.class_names = tuple(metadata["class_names"]) if metadata.get("class_names") else None
         self.preprocessing = Preprocessing.from_shape(self.input_shape())
 
+    @abc.abstractmethod
     def input_shape(self) -> tuple[int, int, int]:
-        raise NotImplementedError
+        """(height, width, channels) the artifact takes."""
 
     def predict(self, images: np.ndarray, batch_size: int = 64) -> np.ndarray:
         outputs = [self.predict_batch(np.asarray(images[start:start + batch_size], np.float32))
                    for start in range(0, len(images), batch_size)]
         return np.concatenate(outputs) if outputs else np.zeros((0, 0), np.float32)
 
+    @abc.abstractmethod
     def predict_batch(self, images: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """Float32 probabilities of one batch of float32 images."""
 
     def predict_outputs(self, images: np.ndarray, batch_size: int = 64, **kwargs) -> dict:
         """Every named output ({"probabilities"} for a classifier, {"classes", "boxes"} raw
