@@ -13,33 +13,45 @@ into --output_dir. Batch sizes are per 1-replica cell: N replicas or workers get
 
 --models also takes detectors (retinanet_tiny: images/s on the built-in detection shapes at
 --image_size, a multiple of 32). --pipeline_micro_batches=1,2,4,8 adds one pipeline cell
-(`tfmp.bench_pipeline`: K=2 stages on two devices against the unsplit --study_model);
---threads_study adds the compute-parallelism cells (`tfmp.bench_threads`: intra-op, inter-op
+(`tfmp.bench.pipeline`: K=2 stages on two devices against the unsplit --study_model);
+--threads_study adds the compute-parallelism cells (`tfmp.bench.threads`: intra-op, inter-op
 and tf.data threads 2 vs 1, steps per host call 10 vs 1, Python threads vs the GIL).
 
 --mode=inference exports each model in each --precisions (float32, float16, bfloat16, mixed,
 auto) as --export_formats and times every artifact next to the Keras model in float32: batch-1
-latency p50/p99, throughput at --global_batch_size, size on disk (`tfmp.bench_inference`).
+latency p50/p99, throughput at --global_batch_size, size on disk (`tfmp.bench.inference`).
 """
 
 from absl import flags, logging
 
 from apps import cli
-from tfmp import bench, bench_inference, bench_report
+from tfmp.bench import inference as bench_inference
+from tfmp.bench import matrix as bench
+from tfmp.bench import report as bench_report
 from tfmp.errors import UsageError
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["seed_cnn"], "Model builders to measure (classifiers, or detectors: retinanet_tiny).")
+flags.DEFINE_list(
+    "models", ["seed_cnn"], "Model builders to measure (classifiers, or detectors: retinanet_tiny)."
+)
 flags.DEFINE_list("precisions", ["float32", "auto"], "float32, mixed_float16, mixed_bfloat16, auto, mixed.")
 flags.DEFINE_list("replicas", ["1"], "MirroredStrategy replica counts (GPUs, or logical CPUs).")
-flags.DEFINE_list("workers", [], "Local MultiWorkerMirrored worker counts (tfmp.launch, one core/GPU share each).")
+flags.DEFINE_list(
+    "workers", [], "Local MultiWorkerMirrored worker counts (tfmp.launch, one core/GPU share each)."
+)
 flags.DEFINE_list("xla", ["off"], "XLA settings to measure: off, on.")
 flags.DEFINE_list("tf32", ["on"], "TF32 for float32 cells (Ampere+ GPUs): on, off.")
-flags.DEFINE_list("ratio_models", [], "Scaling (replicas>1, workers) and reference cells only for these models (default: all).")
-flags.DEFINE_string("data", "synthetic", "synthetic (in-memory tensors), builtin (shapes/digits) or tfds:<name>.")
+flags.DEFINE_list(
+    "ratio_models",
+    [],
+    "Scaling (replicas>1, workers) and reference cells only for these models (default: all).",
+)
+flags.DEFINE_string(
+    "data", "synthetic", "synthetic (in-memory tensors), builtin (shapes/digits) or tfds:<name>."
+)
 flags.DEFINE_integer("global_batch_size", 64, "Batch of a 1-replica cell (N replicas: N x).")
 flags.DEFINE_integer("steps_per_execution", 10, "Steps per host call (engine and Keras fit alike).")
-flags.DEFINE_string("mode", "train", "train, or inference (exported artifacts, tfmp.bench_inference).")
+flags.DEFINE_string("mode", "train", "train, or inference (exported artifacts, tfmp.bench.inference).")
 flags.DEFINE_list("export_formats", ["saved_model", "tflite", "keras"], "--mode=inference: formats to time.")
 flags.DEFINE_integer("image_size", 32, "Image size for shapes/synthetic data.")
 flags.DEFINE_integer("warmup_executions", 3, "Untimed host calls first (tracing, compiling, buffers).")
@@ -49,7 +61,9 @@ flags.DEFINE_integer("repeats", 5, "Timed repeats per cell (median and spread)."
 flags.DEFINE_bool("references", True, "Also measure plain Keras fit and synthetic-input references.")
 flags.DEFINE_bool("cache", False, "Cache decoded examples (real-data cells).")
 flags.DEFINE_string("output_dir", "bench", "Where bench.json and bench.png go.")
-flags.DEFINE_list("pipeline_micro_batches", [], "M values of one K=2 pipeline cell vs the unsplit model (empty: none).")
+flags.DEFINE_list(
+    "pipeline_micro_batches", [], "M values of one K=2 pipeline cell vs the unsplit model (empty: none)."
+)
 flags.DEFINE_bool("threads_study", False, "Also measure TF/tf.data threads, steps per call, Python threads.")
 flags.DEFINE_integer("threads_rounds", 2, "--threads_study: runs of the thread cells in turn (best of).")
 flags.DEFINE_string("study_model", "seed_cnn", "Classifier of the pipeline and thread studies.")
@@ -75,9 +89,15 @@ def _switches(name: str) -> list[bool]:
 def _inference_main():
     logging.set_verbosity(logging.WARNING)  # TensorFlow's saver chatter from the exports
     config = bench_inference.InferenceBenchConfig(
-        models=FLAGS.models, precisions=FLAGS.precisions, formats=FLAGS.export_formats,
-        image_size=FLAGS.image_size, batch_size=FLAGS.global_batch_size, repeats=FLAGS.repeats,
-        min_repeat_seconds=FLAGS.min_repeat_seconds, output_dir=FLAGS.output_dir)
+        models=FLAGS.models,
+        precisions=FLAGS.precisions,
+        formats=FLAGS.export_formats,
+        image_size=FLAGS.image_size,
+        batch_size=FLAGS.global_batch_size,
+        repeats=FLAGS.repeats,
+        min_repeat_seconds=FLAGS.min_repeat_seconds,
+        output_dir=FLAGS.output_dir,
+    )
     report = bench_inference.run(config, progress=lambda line: print(line, flush=True))
     print()
     print(bench_inference.table(report))
@@ -89,23 +109,40 @@ def main(argv):
     if FLAGS.mode == "inference":
         return _inference_main()
     config = bench.BenchConfig(
-        models=FLAGS.models, precisions=FLAGS.precisions, replicas=_integers("replicas"),
-        workers=_integers("workers"), xla=_switches("xla"), tf32=_switches("tf32"),
-        ratio_models=FLAGS.ratio_models, data=FLAGS.data,
-        global_batch_size=FLAGS.global_batch_size, steps_per_execution=FLAGS.steps_per_execution,
-        mode=FLAGS.mode, image_size=FLAGS.image_size, warmup_executions=FLAGS.warmup_executions,
-        executions=FLAGS.executions, min_repeat_seconds=FLAGS.min_repeat_seconds,
-        repeats=FLAGS.repeats, references=FLAGS.references,
-        cache=FLAGS.cache, output_dir=FLAGS.output_dir,
-        pipeline_micro_batches=_integers("pipeline_micro_batches"), threads_study=FLAGS.threads_study,
-        threads_rounds=FLAGS.threads_rounds, study_model=FLAGS.study_model, study_image_size=FLAGS.study_image_size,
-        study_batch_size=FLAGS.study_batch_size)
+        models=FLAGS.models,
+        precisions=FLAGS.precisions,
+        replicas=_integers("replicas"),
+        workers=_integers("workers"),
+        xla=_switches("xla"),
+        tf32=_switches("tf32"),
+        ratio_models=FLAGS.ratio_models,
+        data=FLAGS.data,
+        global_batch_size=FLAGS.global_batch_size,
+        steps_per_execution=FLAGS.steps_per_execution,
+        mode=FLAGS.mode,
+        image_size=FLAGS.image_size,
+        warmup_executions=FLAGS.warmup_executions,
+        executions=FLAGS.executions,
+        min_repeat_seconds=FLAGS.min_repeat_seconds,
+        repeats=FLAGS.repeats,
+        references=FLAGS.references,
+        cache=FLAGS.cache,
+        output_dir=FLAGS.output_dir,
+        pipeline_micro_batches=_integers("pipeline_micro_batches"),
+        threads_study=FLAGS.threads_study,
+        threads_rounds=FLAGS.threads_rounds,
+        study_model=FLAGS.study_model,
+        study_image_size=FLAGS.study_image_size,
+        study_batch_size=FLAGS.study_batch_size,
+    )
     report = bench.run(config, progress=lambda line: print(line, flush=True))
     print()
     print(bench_report.table(report["cells"], report["ratios"]))
     load = report["load_average"]
-    print(f"\nload average (1/5/15 min) before {load['before']}, after {load['after']} on "
-          f"{report['hardware']['cpu_cores']} cores")
+    print(
+        f"\nload average (1/5/15 min) before {load['before']}, after {load['after']} on "
+        f"{report['hardware']['cpu_cores']} cores"
+    )
     print(f"wrote {config.output_dir}/bench.json" + (f" and {report['chart']}" if report["chart"] else ""))
 
 

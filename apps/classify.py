@@ -12,7 +12,7 @@ Ends with one summary line: eval accuracy, examples/s, precision, replicas.
 from absl import flags
 
 from apps import cli, common
-from tfmp.train import train_and_evaluate
+from tfmp.training.run import train_and_evaluate
 
 flags.FLAGS.set_default("image_size", 32)
 

@@ -11,15 +11,18 @@ import sys
 
 from absl import flags
 
-from tfmp import distribute, optim, precision
+from tfmp import optim, precision
+from tfmp.distribute import strategies as distribute
+from tfmp.distribute.launch import STARTUP_TIMEOUT_ENV
 from tfmp.errors import UsageError
-from tfmp.launch import STARTUP_TIMEOUT_ENV
-from tfmp.train import XLA_CHOICES, TrainConfig
+from tfmp.training.run import XLA_CHOICES, TrainConfig
 
 FLAGS = flags.FLAGS
 
 # Strings, not enums: tfmp validates them itself so every mistake gets the same one-line error.
-flags.DEFINE_string("model", "seed_cnn", "Model builder: seed_cnn, lenet, mnist_mlp, resnet20, resnet56, resnet50.")
+flags.DEFINE_string(
+    "model", "seed_cnn", "Model builder: seed_cnn, lenet, mnist_mlp, resnet20, resnet56, resnet50."
+)
 flags.DEFINE_string("dataset", "shapes", "shapes | digits | synthetic | tfds:<name> | folder:<path>.")
 flags.DEFINE_integer("image_size", None, "Resize images to this square size (built-in shapes: any size).")
 flags.DEFINE_string("data_dir", None, "Local TFDS data directory (for tfds:<name>).")
@@ -32,46 +35,112 @@ flags.DEFINE_integer("global_batch_size", 64, "Global batch over all replicas an
 flags.DEFINE_string("optimizer", "adam", f"One of {', '.join(optim.OPTIMIZERS)}.")
 flags.DEFINE_float("learning_rate", 1e-3, "Base learning rate, for --reference_batch_size.")
 flags.DEFINE_float("weight_decay", 0.0, "Decoupled weight decay of the optimizer.")
-flags.DEFINE_string("lr_scaling", "none", "Scale the learning rate with the global batch: none, linear, sqrt.")
+flags.DEFINE_string(
+    "lr_scaling", "none", "Scale the learning rate with the global batch: none, linear, sqrt."
+)
 flags.DEFINE_integer("reference_batch_size", 256, "Batch size the base learning rate was tuned for.")
 flags.DEFINE_integer("warmup_steps", 0, "Linear learning-rate warmup steps.")
 flags.DEFINE_string("lr_decay", "constant", f"After warmup: {', '.join(optim.DECAYS)}.")
 flags.DEFINE_string("precision", "float32", f"Policy: {', '.join(precision.CHOICES)}.")
 flags.DEFINE_bool("mixed", False, "Best mixed policy for this hardware (same as --precision=mixed).")
-flags.DEFINE_string("loss_scale", "auto", "auto (dynamic for mixed_float16), dynamic, none or a fixed number.")
+flags.DEFINE_string(
+    "loss_scale", "auto", "auto (dynamic for mixed_float16), dynamic, none or a fixed number."
+)
 flags.DEFINE_string("strategy", "auto", f"Distribution: {', '.join(distribute.STRATEGIES)}.")
-flags.DEFINE_integer("cpu_replicas", 0, "Split the CPU into N logical devices (MirroredStrategy without GPUs).")
+flags.DEFINE_integer(
+    "cpu_replicas", 0, "Split the CPU into N logical devices (MirroredStrategy without GPUs)."
+)
 flags.DEFINE_string("xla", "auto", f"XLA-compile forward+backward: {', '.join(XLA_CHOICES)}.")
 flags.DEFINE_integer("steps_per_execution", 1, "Training steps per host call.")
-flags.DEFINE_string("model_dir", None, "Checkpoints, logs, run card and model; resumes if it holds a checkpoint.")
+flags.DEFINE_string(
+    "model_dir", None, "Checkpoints, logs, run card and model; resumes if it holds a checkpoint."
+)
 flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept in --model_dir.")
 flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps; 0 saves at every epoch end.")
 flags.DEFINE_integer("log_every", 50, "Steps between metrics.jsonl/TensorBoard records.")
 flags.DEFINE_integer("seed", 0, "Seed for weights, shuffling and augmentation.")
-flags.DEFINE_float("startup_timeout", float(os.environ.get(STARTUP_TIMEOUT_ENV, 120)),
-                   "Multi-worker: seconds to wait for every peer before failing (tfmp.launch sets it).")
+flags.DEFINE_float(
+    "startup_timeout",
+    float(os.environ.get(STARTUP_TIMEOUT_ENV, 120)),
+    "Multi-worker: seconds to wait for every peer before failing (tfmp.launch sets it).",
+)
 
-flags.DEFINE_float("prune_sparsity", 0.0, "Magnitude-prune Dense/Conv kernels (not the head) to this sparsity, e.g. 0.8; 0 = dense.")
+flags.DEFINE_float(
+    "prune_sparsity",
+    0.0,
+    "Magnitude-prune Dense/Conv kernels (not the head) to this sparsity, e.g. 0.8; 0 = dense.",
+)
 flags.DEFINE_string("prune_schedule", "polynomial", "polynomial (Zhu & Gupta) or constant.")
-flags.DEFINE_integer("prune_begin_step", None, "First step at which masks are computed (default: a third into the run).")
-flags.DEFINE_integer("prune_end_step", None, "Step at which the target sparsity is reached (default: two thirds into the run).")
+flags.DEFINE_integer(
+    "prune_begin_step", None, "First step at which masks are computed (default: a third into the run)."
+)
+flags.DEFINE_integer(
+    "prune_end_step", None, "Step at which the target sparsity is reached (default: two thirds into the run)."
+)
 flags.DEFINE_integer("prune_every", 100, "Steps between mask updates.")
-flags.DEFINE_integer("pipeline_stages", 0, "Model parallelism: split the model into K>=2 stages on K devices (GPUs, or logical CPUs).")
+flags.DEFINE_integer(
+    "pipeline_stages",
+    0,
+    "Model parallelism: split the model into K>=2 stages on K devices (GPUs, or logical CPUs).",
+)
 flags.DEFINE_integer("micro_batches", 4, "GPipe micro-batches per step (must divide the per-replica batch).")
-flags.DEFINE_list("pipeline_boundaries", [], "Layer names that start a stage (default: balanced by --pipeline_balance).")
+flags.DEFINE_list(
+    "pipeline_boundaries", [], "Layer names that start a stage (default: balanced by --pipeline_balance)."
+)
 flags.DEFINE_string("pipeline_balance", "flops", "Balance stages by counted flops or params.")
-flags.DEFINE_integer("intra_op_threads", 0, "Threads that split one op (0: TensorFlow's default, one per core).")
-flags.DEFINE_integer("inter_op_threads", 0, "Threads that run independent ops at once (0: TensorFlow's default).")
-flags.DEFINE_integer("data_threads", 0, "tf.data's private thread pool for the input pipeline (0: the shared default).")
+flags.DEFINE_integer(
+    "intra_op_threads", 0, "Threads that split one op (0: TensorFlow's default, one per core)."
+)
+flags.DEFINE_integer(
+    "inter_op_threads", 0, "Threads that run independent ops at once (0: TensorFlow's default)."
+)
+flags.DEFINE_integer(
+    "data_threads", 0, "tf.data's private thread pool for the input pipeline (0: the shared default)."
+)
 
-TRAIN_FLAGS = ("model", "dataset", "image_size", "data_dir", "augment", "cache", "epochs", "steps",
-               "steps_per_epoch", "global_batch_size", "optimizer", "learning_rate", "weight_decay",
-               "lr_scaling", "reference_batch_size", "warmup_steps", "lr_decay", "precision",
-               "loss_scale", "strategy", "cpu_replicas", "xla", "steps_per_execution", "model_dir",
-               "keep_checkpoints", "checkpoint_every", "log_every", "seed", "startup_timeout",
-               "prune_sparsity", "prune_schedule", "prune_begin_step", "prune_end_step", "prune_every",
-               "pipeline_stages", "micro_batches", "pipeline_boundaries", "pipeline_balance",
-               "intra_op_threads", "inter_op_threads", "data_threads")
+TRAIN_FLAGS = (
+    "model",
+    "dataset",
+    "image_size",
+    "data_dir",
+    "augment",
+    "cache",
+    "epochs",
+    "steps",
+    "steps_per_epoch",
+    "global_batch_size",
+    "optimizer",
+    "learning_rate",
+    "weight_decay",
+    "lr_scaling",
+    "reference_batch_size",
+    "warmup_steps",
+    "lr_decay",
+    "precision",
+    "loss_scale",
+    "strategy",
+    "cpu_replicas",
+    "xla",
+    "steps_per_execution",
+    "model_dir",
+    "keep_checkpoints",
+    "checkpoint_every",
+    "log_every",
+    "seed",
+    "startup_timeout",
+    "prune_sparsity",
+    "prune_schedule",
+    "prune_begin_step",
+    "prune_end_step",
+    "prune_every",
+    "pipeline_stages",
+    "micro_batches",
+    "pipeline_boundaries",
+    "pipeline_balance",
+    "intra_op_threads",
+    "inter_op_threads",
+    "data_threads",
+)
 
 
 def precision_from_flags() -> str:

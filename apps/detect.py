@@ -20,15 +20,29 @@ from tfmp.detection import DEFAULTS
 from tfmp.detection import predict as detection_predict
 from tfmp.detection.task import TASK
 from tfmp.errors import UsageError
-from tfmp.train import train_and_evaluate
+from tfmp.training.run import train_and_evaluate
 
 FLAGS = flags.FLAGS
-for _name in ("model", "dataset", "image_size", "augment", "global_batch_size", "optimizer", "learning_rate",
-              "warmup_steps", "lr_decay", "steps"):
+for _name in (
+    "model",
+    "dataset",
+    "image_size",
+    "augment",
+    "global_batch_size",
+    "optimizer",
+    "learning_rate",
+    "warmup_steps",
+    "lr_decay",
+    "steps",
+):
     FLAGS.set_default(_name, DEFAULTS[_name])
 FLAGS.set_default("log_every", 100)
-flags.DEFINE_list("predict", [], "Image files to detect objects in with the trained --model_dir (no training).")
-flags.DEFINE_float("score_threshold", None, "Lowest score kept: default 0.05 for COCO eval, 0.3 for --predict.")
+flags.DEFINE_list(
+    "predict", [], "Image files to detect objects in with the trained --model_dir (no training)."
+)
+flags.DEFINE_float(
+    "score_threshold", None, "Lowest score kept: default 0.05 for COCO eval, 0.3 for --predict."
+)
 flags.DEFINE_integer("max_detections", DEFAULTS["max_detections"], "Detections kept per image after NMS.")
 flags.DEFINE_string("output_dir", None, "--predict: where the PNGs go (default: next to each image).")
 
@@ -39,8 +53,9 @@ def main(argv):
         if not FLAGS.model_dir:
             raise UsageError("--predict needs --model_dir=RUN, the directory of a trained apps.detect run")
         threshold = 0.3 if FLAGS.score_threshold is None else FLAGS.score_threshold
-        for record in detection_predict.predict_files(FLAGS.model_dir, FLAGS.predict, threshold,
-                                                      FLAGS.max_detections, FLAGS.output_dir):
+        for record in detection_predict.predict_files(
+            FLAGS.model_dir, FLAGS.predict, threshold, FLAGS.max_detections, FLAGS.output_dir
+        ):
             print(json.dumps(record), flush=True)
         return
     threshold = DEFAULTS["score_threshold"] if FLAGS.score_threshold is None else FLAGS.score_threshold

@@ -20,8 +20,8 @@ import json
 from absl import flags, logging
 
 from apps import cli
-from tfmp import export
 from tfmp.errors import UsageError
+from tfmp.serving import export
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", None, "Training run dir holding model.keras and flags.txt.")
@@ -41,17 +41,27 @@ def main(argv):
     if not FLAGS.model_dir:
         raise UsageError("--model_dir is required: the training run to export")
     logging.set_verbosity(logging.WARNING)  # TensorFlow's saver chatter; the table is the output
-    report = export.export_run(FLAGS.model_dir, FLAGS.formats, FLAGS.precision, FLAGS.output_dir,
-                               eval_batches=FLAGS.eval_batches, batch_size=FLAGS.batch_size,
-                               detector_options={"score_threshold": FLAGS.score_threshold,
-                                                 "iou_threshold": FLAGS.iou_threshold,
-                                                 "max_detections": FLAGS.max_detections})
+    report = export.export_run(
+        FLAGS.model_dir,
+        FLAGS.formats,
+        FLAGS.precision,
+        FLAGS.output_dir,
+        eval_batches=FLAGS.eval_batches,
+        batch_size=FLAGS.batch_size,
+        detector_options={
+            "score_threshold": FLAGS.score_threshold,
+            "iou_threshold": FLAGS.iou_threshold,
+            "max_detections": FLAGS.max_detections,
+        },
+    )
     if FLAGS.json:
         print(json.dumps(report))
         return
-    print(f"exported {report['directory']} ({report['kind']}, {report['precision']} -> layer policy "
-          f"{report['layer_policy']}, {report['batch_norms_folded']} batch norms folded; "
-          f"compared on {report['compared_with']})")
+    print(
+        f"exported {report['directory']} ({report['kind']}, {report['precision']} -> layer policy "
+        f"{report['layer_policy']}, {report['batch_norms_folded']} batch norms folded; "
+        f"compared on {report['compared_with']})"
+    )
     print(export.format_table(report["artifacts"]))
 
 

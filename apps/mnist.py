@@ -17,8 +17,8 @@ import tensorflow as tf
 from absl import flags
 
 from apps import cli, common
-from tfmp.cluster import parse_tf_config
-from tfmp.train import train_and_evaluate
+from tfmp.distribute.cluster import parse_tf_config
+from tfmp.training.run import train_and_evaluate
 
 FLAGS = flags.FLAGS
 FLAGS.set_default("model", "mnist_mlp")
@@ -35,11 +35,13 @@ def main(argv):
         strategy = "multi_worker"  # the default MirroredStrategy would train each worker alone
     if not FLAGS["strategy"].present and FLAGS.pipeline_stages > 1:
         strategy = "auto"  # the pipeline's stages take the devices replicas would use
-    if (strategy == "mirrored" and not FLAGS["cpu_replicas"].present
-            and not tf.config.list_physical_devices("GPU")):
+    if (
+        strategy == "mirrored"
+        and not FLAGS["cpu_replicas"].present
+        and not tf.config.list_physical_devices("GPU")
+    ):
         # One logical device per core, as many as split the global batch evenly.
-        cpu_replicas = max(n for n in range(1, (os.cpu_count() or 1) + 1)
-                           if FLAGS.global_batch_size % n == 0)
+        cpu_replicas = max(n for n in range(1, (os.cpu_count() or 1) + 1) if FLAGS.global_batch_size % n == 0)
     config = common.config_from_flags(cpu_replicas=cpu_replicas, strategy=strategy)
     train_and_evaluate(config, resolved_flags=common.resolved_flags("mnist", config))
 

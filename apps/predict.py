@@ -25,8 +25,8 @@ import os
 from absl import flags
 
 from apps import cli
-from tfmp import inference
 from tfmp.errors import UsageError
+from tfmp.serving import predictors as inference
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Run dir, export dir, SavedModel dir, .tflite or .keras file.")
@@ -34,7 +34,9 @@ flags.DEFINE_integer("top_k", 5, "Classes to print per image.")
 flags.DEFINE_integer("batch_size", 32, "Images per model call.")
 flags.DEFINE_float("score_threshold", 0.3, "Detectors: lowest score printed and drawn.")
 flags.DEFINE_integer("max_detections", 100, "Detectors (run dirs): detections kept per image after NMS.")
-flags.DEFINE_string("output_dir", None, "Detectors: where the .detections.png files go (default: next to each image).")
+flags.DEFINE_string(
+    "output_dir", None, "Detectors: where the .detections.png files go (default: next to each image)."
+)
 
 
 def main(argv):
@@ -51,13 +53,17 @@ def main(argv):
         return
     predictor = inference.load(FLAGS.model)
     if isinstance(getattr(getattr(predictor, "model", None), "output", None), dict):
-        raise UsageError(f"--model={FLAGS.model} is a detector without a run's flags.txt or an export.json; "
-                         "give its run dir or export it with apps.export")
+        raise UsageError(
+            f"--model={FLAGS.model} is a detector without a run's flags.txt or an export.json; "
+            "give its run dir or export it with apps.export"
+        )
     pixels = inference.read_images(images, predictor.preprocessing)
     probabilities = predictor.predict(pixels, batch_size=FLAGS.batch_size)
     for path, row in zip(images, probabilities):
-        print(json.dumps({"image": path, "top_k": inference.top_k(row, FLAGS.top_k, predictor.class_names)}),
-              flush=True)
+        print(
+            json.dumps({"image": path, "top_k": inference.top_k(row, FLAGS.top_k, predictor.class_names)}),
+            flush=True,
+        )
 
 
 def _detect(model, images):
@@ -66,12 +72,14 @@ def _detect(model, images):
     if os.path.isdir(model) and inference.is_detector_run(model):
         from tfmp.detection import predict as detection_predict
 
-        return detection_predict.predict_files(model, images, FLAGS.score_threshold, FLAGS.max_detections,
-                                               FLAGS.output_dir)
-    from tfmp import export_detector
+        return detection_predict.predict_files(
+            model, images, FLAGS.score_threshold, FLAGS.max_detections, FLAGS.output_dir
+        )
+    from tfmp.serving import detector as export_detector
 
-    return export_detector.predict_files(inference.load(model), images, FLAGS.score_threshold,
-                                         FLAGS.output_dir)
+    return export_detector.predict_files(
+        inference.load(model), images, FLAGS.score_threshold, FLAGS.output_dir
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
-from tfmp import distribute  # noqa: E402
+from tfmp.distribute import strategies as distribute  # noqa: E402
 
 distribute.split_cpu(2)
 
@@ -35,5 +35,11 @@ def float32_global_policy():
 def run_python(args, cwd=None, timeout=600, env=None):
     """Runs `python ARGS` in the project root the way a user would; returns CompletedProcess."""
     full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
-    return subprocess.run([sys.executable, *args], cwd=cwd or ROOT, env=full_env, text=True,
-                          capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd or ROOT,
+        env=full_env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )

@@ -21,26 +21,30 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfmp  # noqa: E402
-from tfmp import distribute  # noqa: E402
+from tfmp.distribute import strategies as distribute  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 16, 20
 
 
 def tutorial_model() -> keras.Model:
     """The tutorial's CNN (Conv -> Flatten -> Dense -> Dense(10) logits) at 12x12."""
-    return keras.Sequential([
-        keras.Input((12, 12, 1)),
-        keras.layers.Conv2D(4, 3, activation="relu"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(16, activation="relu"),
-        keras.layers.Dense(10),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((12, 12, 1)),
+            keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def compile_tutorial(model: keras.Model) -> keras.Model:
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     return model
 
 
@@ -71,10 +75,21 @@ def main():
     history = tfmp.fit(model, dataset, epochs=1, callbacks=[recorder], verbose=0)
     task = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0
     if os.environ.get("FIT_WORKER_OUT"):
-        np.savez(os.path.join(os.environ["FIT_WORKER_OUT"], f"weights-{task}.npz"),
-                 *[w.numpy() for w in model.weights])
-    print(json.dumps({"losses": recorder.losses, "history": history.history,
-                      "replicas": strategy.num_replicas_in_sync, "task": task}), flush=True)
+        np.savez(
+            os.path.join(os.environ["FIT_WORKER_OUT"], f"weights-{task}.npz"),
+            *[w.numpy() for w in model.weights],
+        )
+    print(
+        json.dumps(
+            {
+                "losses": recorder.losses,
+                "history": history.history,
+                "replicas": strategy.num_replicas_in_sync,
+                "task": task,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

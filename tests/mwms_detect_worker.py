@@ -16,11 +16,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfmp import distribute, precision  # noqa: E402
-from tfmp.detection import boxes, data  # noqa: E402
+from tfmp import precision  # noqa: E402
+from tfmp.detection import (  # noqa: E402
+    boxes,
+    data,
+    retinanet,  # noqa: E402
+)
 from tfmp.detection.task import compile_detector  # noqa: E402
-from tfmp.engine import Engine  # noqa: E402
-from tfmp.models import retinanet  # noqa: E402
+from tfmp.distribute import strategies as distribute
+from tfmp.training.engine import Engine  # noqa: E402
 
 SIZE, GLOBAL_BATCH, STEPS = 64, 4, 2
 
@@ -29,23 +33,36 @@ def main():
     strategy = distribute.get_strategy("multi_worker")
     anchors = boxes.generate_anchors(SIZE, retinanet.anchor_config("retinanet_tiny"))
     train = strategy.distribute_datasets_from_function(
-        lambda context: data.load("shapes", "train", GLOBAL_BATCH, anchors=anchors, image_size=SIZE,
-                                  input_context=context)[0])
+        lambda context: data.load(
+            "shapes", "train", GLOBAL_BATCH, anchors=anchors, image_size=SIZE, input_context=context
+        )[0]
+    )
     for policy in precision.POLICIES:
         for xla in (False, True):
             keras.utils.set_random_seed(0)
             with strategy.scope():
                 model = retinanet.build_detector("retinanet_tiny", SIZE, 6, dtype=policy)
-                optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy,
-                                                     initial_scale=1024.0)
+                optimizer = precision.wrap_optimizer(
+                    keras.optimizers.SGD(0.01, momentum=0.9), policy, initial_scale=1024.0
+                )
             compile_detector(model, optimizer, strategy, int(anchors.shape[0]))
             result = Engine(strategy, model, optimizer, xla=xla).train(iter(train), STEPS)
             weights = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
-            print(json.dumps({"policy": policy, "xla": xla, "replicas": strategy.num_replicas_in_sync,
-                              "loss": result.metrics["loss"], "nonfinite": result.nonfinite_steps,
-                              "float32": all(w.dtype == "float32" for w in model.trainable_weights),
-                              "finite": bool(np.isfinite(weights).all()),
-                              "checksum": hashlib.sha256(weights.tobytes()).hexdigest()}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "policy": policy,
+                        "xla": xla,
+                        "replicas": strategy.num_replicas_in_sync,
+                        "loss": result.metrics["loss"],
+                        "nonfinite": result.nonfinite_steps,
+                        "float32": all(w.dtype == "float32" for w in model.trainable_weights),
+                        "finite": bool(np.isfinite(weights).all()),
+                        "checksum": hashlib.sha256(weights.tobytes()).hexdigest(),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

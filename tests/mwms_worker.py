@@ -20,9 +20,11 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmp import data, distribute, models, precision  # noqa: E402
-from tfmp.engine import Engine  # noqa: E402
-from tfmp.classification import compile_classifier  # noqa: E402
+from tfmp import models, precision  # noqa: E402
+from tfmp.classification import data
+from tfmp.classification.task import compile_classifier  # noqa: E402
+from tfmp.distribute import strategies as distribute
+from tfmp.training.engine import Engine  # noqa: E402
 
 GLOBAL_BATCH = 32
 STEPS = 3
@@ -32,11 +34,20 @@ def main():
     strategy = distribute.get_strategy("multi_worker")
     topology = distribute.describe(strategy)
     train = strategy.distribute_datasets_from_function(
-        lambda context: data.load("digits", "train", GLOBAL_BATCH, input_context=context)[0])
+        lambda context: data.load("digits", "train", GLOBAL_BATCH, input_context=context)[0]
+    )
     evaluation = strategy.distribute_datasets_from_function(
-        lambda context: data.load("digits", "eval", GLOBAL_BATCH, input_context=context, training=False)[0]
-        .map(lambda images, labels: (images, tf.maximum(labels, 0), tf.cast(labels >= 0, tf.float32),
-                                     tf.cast(labels >= 0, tf.float32))))
+        lambda context: data.load("digits", "eval", GLOBAL_BATCH, input_context=context, training=False)[
+            0
+        ].map(
+            lambda images, labels: (
+                images,
+                tf.maximum(labels, 0),
+                tf.cast(labels >= 0, tf.float32),
+                tf.cast(labels >= 0, tf.float32),
+            )
+        )
+    )
     for policy in precision.POLICIES:
         for xla in (False, True):
             keras.utils.set_random_seed(0)
@@ -48,13 +59,24 @@ def main():
             trained = engine.train(iter(train), STEPS)
             evaluated = engine.evaluate(evaluation)
             weights = _weights(model)
-            print(json.dumps({
-                "policy": policy, "xla": xla, "workers": topology.workers,
-                "replicas": strategy.num_replicas_in_sync, "chief": topology.is_chief,
-                "loss": trained.metrics["loss"], "eval_accuracy": evaluated["accuracy"],
-                "eval_loss": evaluated["loss"], "local_eval": _local_eval(model),
-                "finite": bool(np.isfinite(weights).all()),
-                "checksum": _digest(weights)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "policy": policy,
+                        "xla": xla,
+                        "workers": topology.workers,
+                        "replicas": strategy.num_replicas_in_sync,
+                        "chief": topology.is_chief,
+                        "loss": trained.metrics["loss"],
+                        "eval_accuracy": evaluated["accuracy"],
+                        "eval_loss": evaluated["loss"],
+                        "local_eval": _local_eval(model),
+                        "finite": bool(np.isfinite(weights).all()),
+                        "checksum": _digest(weights),
+                    }
+                ),
+                flush=True,
+            )
     overflow_on_worker_1(strategy)
 
 
@@ -75,9 +97,17 @@ def overflow_on_worker_1(strategy):
     engine = Engine(strategy, model, optimizer)
     before = _digest(_weights(model))
     totals = engine.train(iter(strategy.distribute_datasets_from_function(poisoned)), 1)
-    print(json.dumps({"overflow": True, "unchanged": _digest(_weights(model)) == before,
-                      "nonfinite_steps": totals.nonfinite_steps,
-                      "loss_scale": precision.current_loss_scale(optimizer)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "overflow": True,
+                "unchanged": _digest(_weights(model)) == before,
+                "nonfinite_steps": totals.nonfinite_steps,
+                "loss_scale": precision.current_loss_scale(optimizer),
+            }
+        ),
+        flush=True,
+    )
 
 
 def _local_eval(model):

@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, run_python
 
 pytestmark = pytest.mark.slow  # each test starts TensorFlow in a new process
@@ -50,27 +49,45 @@ def test_mnist_builtin_default_is_mirrored_over_all_cores(tmp_path):
     assert [r["step"] for r in evals] == [10, 20]  # validation after every epoch
 
 
-@pytest.mark.parametrize("app, dataset, extra", [
-    ("classify", "tfds:cifar10", ["--model=resnet20", "--strategy=mirrored", "--cpu_replicas=2"]),
-    ("mnist", "tfds:mnist", []),
-])
+@pytest.mark.parametrize(
+    "app, dataset, extra",
+    [
+        ("classify", "tfds:cifar10", ["--model=resnet20", "--strategy=mirrored", "--cpu_replicas=2"]),
+        ("mnist", "tfds:mnist", []),
+    ],
+)
 def test_apps_on_mocked_tfds(tmp_path, app, dataset, extra):
-    result = run_python(["-c", MOCK_TFDS.format(app=app), f"--dataset={dataset}", "--steps=4",
-                         "--global_batch_size=16", "--precision=mixed_bfloat16", f"--model_dir={tmp_path}", *extra])
+    result = run_python(
+        [
+            "-c",
+            MOCK_TFDS.format(app=app),
+            f"--dataset={dataset}",
+            "--steps=4",
+            "--global_batch_size=16",
+            "--precision=mixed_bfloat16",
+            f"--model_dir={tmp_path}",
+            *extra,
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "4 steps" in _summary(result.stdout)
     card = json.load(open(tmp_path / "run_card.json"))
     assert card["dataset"].startswith(dataset)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model=resnet9"], "unknown model 'resnet9'; choose one of:"),
-    (["--precision=fp8"], "unknown precision 'fp8'; choose one of:"),
-    (["--strategy=mirrored", "--cpu_replicas=3", "--global_batch_size=64"],
-     "global batch 64 is not divisible by 3 replicas"),
-    (["--mixed", "--precision=float32"], "--mixed conflicts with --precision=float32"),
-    (["--no_such_flag=1"], "no_such_flag"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model=resnet9"], "unknown model 'resnet9'; choose one of:"),
+        (["--precision=fp8"], "unknown precision 'fp8'; choose one of:"),
+        (
+            ["--strategy=mirrored", "--cpu_replicas=3", "--global_batch_size=64"],
+            "global batch 64 is not divisible by 3 replicas",
+        ),
+        (["--mixed", "--precision=float32"], "--mixed conflicts with --precision=float32"),
+        (["--no_such_flag=1"], "no_such_flag"),
+    ],
+)
 def test_user_errors_exit_2_with_one_line(tmp_path, args, message):
     model_dir = tmp_path / "run"
     result = run_python(["-m", "apps.classify", *args, f"--model_dir={model_dir}"])
@@ -82,17 +99,29 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, message):
 
 
 def test_malformed_tf_config_exits_2(tmp_path):
-    result = run_python(["-m", "apps.classify", f"--model_dir={tmp_path / 'run'}"],
-                        env={"TF_CONFIG": '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}'})
+    result = run_python(
+        ["-m", "apps.classify", f"--model_dir={tmp_path / 'run'}"],
+        env={"TF_CONFIG": '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}'},
+    )
     assert result.returncode == 2
     assert "TF_CONFIG task index 3 is out of range for 1 worker" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_killed_run_resumes_at_the_saved_step(tmp_path):
-    command = [sys.executable, "-m", "apps.classify", "--model=lenet", "--dataset=digits", "--steps=400",
-               "--steps_per_epoch=400", "--checkpoint_every=20", "--global_batch_size=32",
-               "--log_every=20", f"--model_dir={tmp_path}"]
+    command = [
+        sys.executable,
+        "-m",
+        "apps.classify",
+        "--model=lenet",
+        "--dataset=digits",
+        "--steps=400",
+        "--steps_per_epoch=400",
+        "--checkpoint_every=20",
+        "--global_batch_size=32",
+        "--log_every=20",
+        f"--model_dir={tmp_path}",
+    ]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoints = str(tmp_path / "checkpoints" / "ckpt-*.index")
     deadline = time.time() + 300
@@ -108,7 +137,7 @@ def test_killed_run_resumes_at_the_saved_step(tmp_path):
     assert card["steps"].endswith(f"from step {saved}")
     assert "400 steps" in _summary(result.stdout)
     logged = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl") if '"train"' in line]
-    resumed = logged[logged.index(saved) + 1:] if saved in logged else logged
+    resumed = logged[logged.index(saved) + 1 :] if saved in logged else logged
     assert resumed[-1] == 400 and resumed == sorted(set(resumed))
 
 
@@ -123,7 +152,8 @@ def test_every_config_parses_with_its_app():
     for app, paths in by_app.items():  # one process per app: their flags differ
         checks = [f"from apps import {app}; from absl import flags"] + [
             f"flags.FLAGS(['x', '--flagfile={path}']); print('{os.path.basename(path)}', 'ok')"
-            for path in paths]
+            for path in paths
+        ]
         result = run_python(["-c", "\n".join(checks)])
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.count(" ok") == len(paths)

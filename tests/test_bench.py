@@ -4,9 +4,10 @@ import json
 import os
 
 import pytest
-
 from conftest import run_python
-from tfmp import bench, bench_report
+
+from tfmp.bench import matrix as bench
+from tfmp.bench import report as bench_report
 from tfmp.errors import UsageError
 
 pytestmark = pytest.mark.slow  # one process per cell
@@ -15,10 +16,25 @@ pytestmark = pytest.mark.slow  # one process per cell
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
     output = tmp_path_factory.mktemp("bench")
-    result = run_python(["-m", "apps.bench", "--models=mnist_mlp", "--precisions=float32,mixed_bfloat16",
-                         "--replicas=1,2", "--workers=1,2", "--data=builtin", "--global_batch_size=32",
-                         "--steps_per_execution=2", "--warmup_executions=1", "--executions=2",
-                         "--repeats=2", "--min_repeat_seconds=0", f"--output_dir={output}"], timeout=900)
+    result = run_python(
+        [
+            "-m",
+            "apps.bench",
+            "--models=mnist_mlp",
+            "--precisions=float32,mixed_bfloat16",
+            "--replicas=1,2",
+            "--workers=1,2",
+            "--data=builtin",
+            "--global_batch_size=32",
+            "--steps_per_execution=2",
+            "--warmup_executions=1",
+            "--executions=2",
+            "--repeats=2",
+            "--min_repeat_seconds=0",
+            f"--output_dir={output}",
+        ],
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return output, result.stdout, json.load(open(output / "bench.json"))
 
@@ -41,9 +57,18 @@ def test_every_engine_cell_has_every_documented_figure(tiny_report):
     assert len(engine) == 2 * 4  # 2 precisions x (1, 2 replicas + 1, 2 workers)
     for cell in engine:
         result = cell["result"]
-        for key in ("examples_per_sec", "examples_per_sec_min", "examples_per_sec_max",
-                    "examples_per_sec_per_replica", "step_time_median", "step_time_p90",
-                    "flops_per_step", "flops_per_sec", "peak_host_memory_mb", "policy"):
+        for key in (
+            "examples_per_sec",
+            "examples_per_sec_min",
+            "examples_per_sec_max",
+            "examples_per_sec_per_replica",
+            "step_time_median",
+            "step_time_p90",
+            "flops_per_step",
+            "flops_per_sec",
+            "peak_host_memory_mb",
+            "policy",
+        ):
             assert result[key] is not None, key
         assert result["examples_per_sec_min"] <= result["examples_per_sec"] <= result["examples_per_sec_max"]
         assert result["step_time_median"] <= result["step_time_p90"]
@@ -78,22 +103,29 @@ def test_ratios_are_computed_from_the_measured_cells(tiny_report):
     eps = "examples_per_sec"
     assert ratio("engine_vs_keras_fit", precision="float32") == pytest.approx(one[eps] / fit[eps])
     assert ratio("input_vs_synthetic", precision="float32") == pytest.approx(one[eps] / synthetic[eps])
-    assert ratio("speedup_vs_float32", precision="mixed_bfloat16", replicas=1, workers=0) == \
-        pytest.approx(bf16[eps] / one[eps])
-    assert ratio("scaling_efficiency", precision="float32", replicas=2) == pytest.approx(two[eps] / (2 * one[eps]))
-    assert ratio("flops_fraction_of_peak", precision="float32", replicas=1, workers=0) == \
-        pytest.approx(one["flops_per_sec"] / peak["peak_flops"])
+    assert ratio("speedup_vs_float32", precision="mixed_bfloat16", replicas=1, workers=0) == pytest.approx(
+        bf16[eps] / one[eps]
+    )
+    assert ratio("scaling_efficiency", precision="float32", replicas=2) == pytest.approx(
+        two[eps] / (2 * one[eps])
+    )
+    assert ratio("flops_fraction_of_peak", precision="float32", replicas=1, workers=0) == pytest.approx(
+        one["flops_per_sec"] / peak["peak_flops"]
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--models=resnet9"], "unknown model 'resnet9'"),
-    (["--precisions=fp8"], "unknown precision 'fp8'"),
-    (["--replicas=one"], "--replicas=one must be whole numbers"),
-    (["--workers=0"], "--workers value 0 must be >= 1"),
-    (["--xla=maybe"], "--xla value 'maybe' must be off or on"),
-    (["--mode=serve"], "unknown mode 'serve'"),
-    (["--data=imagenet"], "unknown bench data 'imagenet'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--models=resnet9"], "unknown model 'resnet9'"),
+        (["--precisions=fp8"], "unknown precision 'fp8'"),
+        (["--replicas=one"], "--replicas=one must be whole numbers"),
+        (["--workers=0"], "--workers value 0 must be >= 1"),
+        (["--xla=maybe"], "--xla value 'maybe' must be off or on"),
+        (["--mode=serve"], "unknown mode 'serve'"),
+        (["--data=imagenet"], "unknown bench data 'imagenet'"),
+    ],
+)
 def test_bad_matrix_flags_are_one_line_errors(tmp_path, args, message):
     result = run_python(["-m", "apps.bench", *args, f"--output_dir={tmp_path / 'out'}"], timeout=120)
     assert result.returncode == 2
@@ -109,8 +141,16 @@ def test_validate_refuses_empty_matrix():
 
 def test_derive_on_hand_made_cells():
     def cell(**values):
-        base = dict(kind="engine", model="m", precision="float32", xla=False, mode="train", data="builtin",
-                    replicas=1, workers=0)
+        base = dict(
+            kind="engine",
+            model="m",
+            precision="float32",
+            xla=False,
+            mode="train",
+            data="builtin",
+            replicas=1,
+            workers=0,
+        )
         base.update(values)
         return base
 

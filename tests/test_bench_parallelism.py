@@ -8,15 +8,23 @@ import json
 import math
 
 import pytest
-
 from conftest import run_python
-from tfmp import bench, bench_report, bench_threads
+
+from tfmp.bench import matrix as bench
+from tfmp.bench import report as bench_report
+from tfmp.bench import threads as bench_threads
 from tfmp.errors import UsageError
 
 
 def _config(**changes):
-    values = dict(models=["retinanet_tiny"], precisions=["float32", "auto"], data="builtin", image_size=64,
-                  pipeline_micro_batches=[1, 2], threads_study=True)
+    values = dict(
+        models=["retinanet_tiny"],
+        precisions=["float32", "auto"],
+        data="builtin",
+        image_size=64,
+        pipeline_micro_batches=[1, 2],
+        threads_study=True,
+    )
     values.update(changes)
     return bench.BenchConfig(**values)
 
@@ -27,8 +35,11 @@ def test_cells_plan_detector_pipeline_and_thread_cells():
     planned = bench.cells(config)
     detector = [c for c in planned if c.get("model") == "retinanet_tiny"]
     assert {(c["kind"], c["precision"], c.get("reference")) for c in detector} == {
-        ("engine", "float32", None), ("engine", "auto", None),
-        ("engine", "float32", "input"), ("engine", "auto", "input")}  # no Keras-fit cell for detectors
+        ("engine", "float32", None),
+        ("engine", "auto", None),
+        ("engine", "float32", "input"),
+        ("engine", "auto", "input"),
+    }  # no Keras-fit cell for detectors
     pipeline = [c for c in planned if c["kind"] == "pipeline"]
     assert len(pipeline) == 1 and pipeline[0]["micro_batches"] == [1, 2]
     assert pipeline[0]["model"] == "seed_cnn" and pipeline[0]["global_batch_size"] == 64
@@ -37,22 +48,25 @@ def test_cells_plan_detector_pipeline_and_thread_cells():
     assert [c["knob"] for c in threads] == one_round * 2  # two rounds in turn by default
     assert [c["round"] for c in threads] == [1] * len(one_round) + [2] * len(one_round)
     baseline = threads[0]
-    for cell in threads[1:len(one_round)]:  # each variant changes only its own knob(s)
+    for cell in threads[1 : len(one_round)]:  # each variant changes only its own knob(s)
         changed = {key for key in baseline if cell.get(key) != baseline[key]} - {"knob"}
         assert changed == set(dict((k, c) for k, c, _ in bench_threads.VARIANTS)[cell["knob"]]), cell["knob"]
     assert sum(c["kind"] == "python_threads" for c in planned) == 1
     assert all(bench.describe_cell(c) for c in planned)
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(pipeline_micro_batches=[3]), "--pipeline_micro_batches value 3 must be >= 1 and divide"),
-    (dict(pipeline_micro_batches=[0]), "--pipeline_micro_batches value 0"),
-    (dict(image_size=100), "--image_size=100 for a detector must be a multiple of 32"),
-    (dict(data="tfds:voc/2007"), "is not for detectors here"),
-    (dict(study_model="retinanet_tiny"), "unknown study model"),
-    (dict(threads_rounds=0), "--threads_rounds=0 must be >= 1"),
-    (dict(models=["retinanet_huge"]), "unknown model 'retinanet_huge'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(pipeline_micro_batches=[3]), "--pipeline_micro_batches value 3 must be >= 1 and divide"),
+        (dict(pipeline_micro_batches=[0]), "--pipeline_micro_batches value 0"),
+        (dict(image_size=100), "--image_size=100 for a detector must be a multiple of 32"),
+        (dict(data="tfds:voc/2007"), "is not for detectors here"),
+        (dict(study_model="retinanet_tiny"), "unknown study model"),
+        (dict(threads_rounds=0), "--threads_rounds=0 must be >= 1"),
+        (dict(models=["retinanet_huge"]), "unknown model 'retinanet_huge'"),
+    ],
+)
 def test_bad_study_settings_are_one_line_errors(changes, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(")) as error:
         bench.validate(_config(**changes))
@@ -65,15 +79,36 @@ def _hand_made_cells():
     rounds = (200.0, 100.0, 190.0, 160.0, 50.0, 210.0) + (150.0, 90.0, 100.0, 100.0, 40.0, 100.0)
     for cell, eps in zip(thread_cells, rounds):
         cell["result"] = {"examples_per_sec": eps}
-    python = dict(bench_threads.python_cell(1.0), result={
-        "python_seconds": {"one_thread": 2.0, "two_threads": 2.1, "two_processes": 1.0},
-        "tensorflow_seconds": {"one_thread": 2.0, "two_threads": 1.25}})
-    unsplit = {"stages": 1, "micro_batches": None, "relative": 1.0, "policy": "float32",
-               "images_per_second": 100.0,
-               "devices": [{"device": "/device:CPU:0", "parameters": 10, "activation_bytes": 2**20}]}
-    split = dict(unsplit, stages=2, micro_batches=4, relative=0.8, images_per_second=80.0,
-                 bubble_theory=0.2, bubble_measured=0.45)
-    pipeline = {"kind": "pipeline", "model": "seed_cnn", "global_batch_size": 64, "result": {"rows": [unsplit, split]}}
+    python = dict(
+        bench_threads.python_cell(1.0),
+        result={
+            "python_seconds": {"one_thread": 2.0, "two_threads": 2.1, "two_processes": 1.0},
+            "tensorflow_seconds": {"one_thread": 2.0, "two_threads": 1.25},
+        },
+    )
+    unsplit = {
+        "stages": 1,
+        "micro_batches": None,
+        "relative": 1.0,
+        "policy": "float32",
+        "images_per_second": 100.0,
+        "devices": [{"device": "/device:CPU:0", "parameters": 10, "activation_bytes": 2**20}],
+    }
+    split = dict(
+        unsplit,
+        stages=2,
+        micro_batches=4,
+        relative=0.8,
+        images_per_second=80.0,
+        bubble_theory=0.2,
+        bubble_measured=0.45,
+    )
+    pipeline = {
+        "kind": "pipeline",
+        "model": "seed_cnn",
+        "global_batch_size": 64,
+        "result": {"rows": [unsplit, split]},
+    }
     return thread_cells + [python, pipeline]
 
 
@@ -81,12 +116,28 @@ def test_study_ratios_and_table_from_hand_made_cells():
     cells = _hand_made_cells()
     ratios = bench_report.derive(cells)
     threads = {row["knob"]: row["ratio"] for row in ratios["threads"]}
-    assert threads == pytest.approx({"intra_op_threads": 2.0, "inter_op_threads": 200 / 190, "data_threads": 1.25,
-                                     "steps_per_execution": 4.0, "tensorflow_defaults": 200 / 210,
-                                     "python_two_threads": 2 / 2.1, "python_two_processes": 2.0,
-                                     "tensorflow_two_threads": 1.6})
-    assert ratios["pipeline"] == [{"model": "seed_cnn", "stages": 2, "micro_batches": 4, "value": 0.8,
-                                   "bubble_theory": 0.2, "bubble_measured": 0.45}]
+    assert threads == pytest.approx(
+        {
+            "intra_op_threads": 2.0,
+            "inter_op_threads": 200 / 190,
+            "data_threads": 1.25,
+            "steps_per_execution": 4.0,
+            "tensorflow_defaults": 200 / 210,
+            "python_two_threads": 2 / 2.1,
+            "python_two_processes": 2.0,
+            "tensorflow_two_threads": 1.6,
+        }
+    )
+    assert ratios["pipeline"] == [
+        {
+            "model": "seed_cnn",
+            "stages": 2,
+            "micro_batches": 4,
+            "value": 0.8,
+            "bubble_theory": 0.2,
+            "bubble_measured": 0.45,
+        }
+    ]
     text = bench_report.table(cells, ratios)
     assert "compute parallelism" in text and "2 vs 1 intra-op threads" in text and "= 2.00x" in text
     assert "pure-Python loop: 2 processes vs 1 thread" in text
@@ -96,12 +147,29 @@ def test_study_ratios_and_table_from_hand_made_cells():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     output = tmp_path_factory.mktemp("bench_parallelism")
-    result = run_python(["-m", "apps.bench", "--models=retinanet_tiny", "--image_size=64", "--global_batch_size=4",
-                         "--precisions=float32,mixed_bfloat16", "--data=synthetic",
-                         "--pipeline_micro_batches=1,2", "--threads_study", "--study_model=lenet",
-                         "--study_batch_size=8", "--threads_rounds=1", "--steps_per_execution=2", "--warmup_executions=1",
-                         "--executions=1", "--repeats=1", "--min_repeat_seconds=0",
-                         f"--output_dir={output}"], timeout=1200)
+    result = run_python(
+        [
+            "-m",
+            "apps.bench",
+            "--models=retinanet_tiny",
+            "--image_size=64",
+            "--global_batch_size=4",
+            "--precisions=float32,mixed_bfloat16",
+            "--data=synthetic",
+            "--pipeline_micro_batches=1,2",
+            "--threads_study",
+            "--study_model=lenet",
+            "--study_batch_size=8",
+            "--threads_rounds=1",
+            "--steps_per_execution=2",
+            "--warmup_executions=1",
+            "--executions=1",
+            "--repeats=1",
+            "--min_repeat_seconds=0",
+            f"--output_dir={output}",
+        ],
+        timeout=1200,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.load(open(output / "bench.json"))
 
@@ -140,9 +208,16 @@ def test_thread_study_cells_ran_with_their_settings_and_give_ratios(tiny_run):
             assert cell["result"]["intra_op_threads"] == cell["intra_op_threads"], cell["knob"]
             assert cell["result"]["inter_op_threads"] == cell["inter_op_threads"], cell["knob"]
     knobs = {row["knob"]: row for row in report["ratios"]["threads"]}
-    assert set(knobs) == {"intra_op_threads", "inter_op_threads", "data_threads", "steps_per_execution",
-                          "tensorflow_defaults", "python_two_threads", "python_two_processes",
-                          "tensorflow_two_threads"}
+    assert set(knobs) == {
+        "intra_op_threads",
+        "inter_op_threads",
+        "data_threads",
+        "steps_per_execution",
+        "tensorflow_defaults",
+        "python_two_threads",
+        "python_two_processes",
+        "tensorflow_two_threads",
+    }
     for row in knobs.values():
         assert row["ratio"] > 0 and math.isfinite(row["ratio"])
     assert "compute parallelism" in stdout and "pure-Python loop: 2 threads vs 1 thread" in stdout

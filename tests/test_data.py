@@ -1,11 +1,11 @@
-"""Tests for tfmp.data: built-in datasets, TFDS (mocked and a tiny real one), folders, sharding."""
+"""Tests for tfmp.classification.data: built-in datasets, TFDS (mocked and a tiny real one), folders, sharding."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfmp import data
+from tfmp.classification import data
 from tfmp.errors import UsageError
 
 tfds.disable_progress_bar()
@@ -18,13 +18,15 @@ def _take(dataset, batches):
 
 
 def _context(pipelines, pipeline_id, replicas):
-    return tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=pipeline_id,
-                                      num_replicas_in_sync=replicas)
+    return tf.distribute.InputContext(
+        num_input_pipelines=pipelines, input_pipeline_id=pipeline_id, num_replicas_in_sync=replicas
+    )
 
 
 # ----------------------------------------------------------------------------- built-ins
-@pytest.mark.parametrize("spec, shape", [("shapes", (32, 32, 3)), ("digits", (28, 28, 1)),
-                                         ("synthetic", (32, 32, 3))])
+@pytest.mark.parametrize(
+    "spec, shape", [("shapes", (32, 32, 3)), ("digits", (28, 28, 1)), ("synthetic", (32, 32, 3))]
+)
 def test_builtin_batches(spec, shape):
     info = data.describe(spec)
     assert info.image_shape == shape and info.num_classes == 10 and info.name == spec
@@ -86,8 +88,9 @@ def test_distributed_eval_gives_every_replica_the_same_full_batches(pipelines, r
     per_pipeline = []
     for pipeline_id in range(pipelines):
         context = tf.distribute.InputContext(pipelines, pipeline_id, replicas)
-        batches = [y.numpy() for _, y in data.load("digits", "eval", 600, input_context=context,
-                                                   training=False)[0]]
+        batches = [
+            y.numpy() for _, y in data.load("digits", "eval", 600, input_context=context, training=False)[0]
+        ]
         assert {len(b) for b in batches} == {600 // replicas}
         assert len(batches) % (replicas // pipelines) == 0  # whole steps for the local replicas
         per_pipeline.append(batches)
@@ -100,13 +103,18 @@ def test_digits_learnable_quickly():
     import keras
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
-                              keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+    model = keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(keras.optimizers.Adam(1e-3), loss, metrics=["accuracy"])
     model.fit(data.load("digits", "train", 64)[0], steps_per_epoch=60, verbose=0)
-    _, accuracy = model.evaluate(data.load("digits", "eval", 256, training=False)[0].take(1),
-                                 verbose=0)
+    _, accuracy = model.evaluate(data.load("digits", "eval", 256, training=False)[0].take(1), verbose=0)
     assert accuracy > 0.5  # chance is 0.1
 
 
@@ -117,16 +125,16 @@ def test_shapes_learnable():
     keras.utils.set_random_seed(0)
     layers = [keras.Input((32, 32, 3))]
     for filters in (32, 64, 128):
-        layers += [keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
-                   keras.layers.MaxPooling2D()]
-    layers += [keras.layers.Flatten(), keras.layers.Dense(128, activation="relu"),
-               keras.layers.Dense(10)]
+        layers += [
+            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+        ]
+    layers += [keras.layers.Flatten(), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)]
     model = keras.Sequential(layers)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(keras.optimizers.Adam(1e-3), loss, metrics=["accuracy"])
     model.fit(data.load("shapes", "train", 128)[0], steps_per_epoch=120, verbose=0)
-    _, accuracy = model.evaluate(data.load("shapes", "eval", 500, training=False)[0].take(1),
-                                 verbose=0)
+    _, accuracy = model.evaluate(data.load("shapes", "eval", 500, training=False)[0].take(1), verbose=0)
     assert accuracy > 0.4
 
 
@@ -134,8 +142,9 @@ def test_shapes_learnable():
 @pytest.mark.parametrize("augment", [False, True])
 def test_skip_examples_continues_the_same_stream(augment):
     full = _take(data.load("shapes", "train", 8, image_size=16, augment=augment, seed=5)[0], 4)
-    skipped = _take(data.load("shapes", "train", 8, image_size=16, augment=augment, seed=5,
-                              skip_examples=11)[0], 2)
+    skipped = _take(
+        data.load("shapes", "train", 8, image_size=16, augment=augment, seed=5, skip_examples=11)[0], 2
+    )
     np.testing.assert_array_equal(skipped[0], full[0][11:27])
     np.testing.assert_array_equal(skipped[1], full[1][11:27])
 
@@ -153,8 +162,9 @@ def test_two_pipelines_shard_the_data_disjointly():
     unsharded = _take(data.load("digits", "eval", 1000, training=False)[0], 2)
     parts = []
     for pipeline_id in (0, 1):
-        dataset, policy = data.load("digits", "eval", 1000, training=False,
-                                    input_context=_context(2, pipeline_id, 2))
+        dataset, policy = data.load(
+            "digits", "eval", 1000, training=False, input_context=_context(2, pipeline_id, 2)
+        )
         assert policy == "DATA"  # generated per index: the index range is sharded
         parts.append({image.tobytes() for image in _take(dataset, 10)[0]})
     assert len(parts[0]) == len(parts[1]) == 1000 and not parts[0] & parts[1]
@@ -166,14 +176,17 @@ def test_batch_not_divisible_by_replicas():
         data.load("shapes", "train", 7, input_context=_context(1, 0, 2))
 
 
-@pytest.mark.parametrize("call", [
-    lambda: data.describe("shapes", image_size=4),
-    lambda: data.describe("shapes", image_size=4096),
-    lambda: data.describe("shapes", image_size="32"),
-    lambda: data.load("shapes", "training", 8),
-    lambda: data.load("shapes", "train", 0),
-    lambda: data.load("shapes", "train", 8, skip_examples=-1),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: data.describe("shapes", image_size=4),
+        lambda: data.describe("shapes", image_size=4096),
+        lambda: data.describe("shapes", image_size="32"),
+        lambda: data.load("shapes", "training", 8),
+        lambda: data.load("shapes", "train", 0),
+        lambda: data.load("shapes", "train", 8, skip_examples=-1),
+    ],
+)
 def test_bad_arguments(call):
     with pytest.raises(UsageError):
         call()
@@ -226,10 +239,10 @@ class TfmpTestTinyImages(tfds.core.GeneratorBasedBuilder):
     SPLITS = {"train": (0, 24), "test": (100, 6)}
 
     def _info(self):
-        features = tfds.features.FeaturesDict({"image": tfds.features.Image(shape=(8, 8, 3)),
-                                               "label": tfds.features.ClassLabel(num_classes=3)})
-        return tfds.core.DatasetInfo(builder=self, features=features,
-                                     supervised_keys=("image", "label"))
+        features = tfds.features.FeaturesDict(
+            {"image": tfds.features.Image(shape=(8, 8, 3)), "label": tfds.features.ClassLabel(num_classes=3)}
+        )
+        return tfds.core.DatasetInfo(builder=self, features=features, supervised_keys=("image", "label"))
 
     def _split_generators(self, dl_manager):
         return {split: self._generate_examples(*span) for split, span in self.SPLITS.items()}
@@ -248,7 +261,8 @@ def tiny_tfds_dir(tmp_path_factory):
     data_dir = str(tmp_path_factory.mktemp("tfds"))
     for builder in (TfmpTestTinyImages, TfmpTestTinyTrainOnly):
         builder(data_dir=data_dir).download_and_prepare(
-            download_config=tfds.download.DownloadConfig(num_shards=2))
+            download_config=tfds.download.DownloadConfig(num_shards=2)
+        )
     return data_dir
 
 
@@ -259,25 +273,30 @@ def _ids(dataset):
 def test_tfds_prepared_dataset_shards_by_file(tiny_tfds_dir):
     info = data.describe("tfds:tfmp_test_tiny_images", data_dir=tiny_tfds_dir)
     assert (info.image_shape, info.num_classes, info.train_examples, info.eval_examples) == (
-        (8, 8, 3), 3, 24, 6)
+        (8, 8, 3),
+        3,
+        24,
+        6,
+    )
     parts = []
     for pipeline_id in (0, 1):
         context = _context(2, pipeline_id, 2)
-        dataset, policy = data.load("tfds:tfmp_test_tiny_images", "train", 4,
-                                    data_dir=tiny_tfds_dir, input_context=context)
+        dataset, policy = data.load(
+            "tfds:tfmp_test_tiny_images", "train", 4, data_dir=tiny_tfds_dir, input_context=context
+        )
         assert policy == "FILE"  # 2 files, 2 pipelines: tfds.ReadConfig(input_context=...)
         images = _take(dataset, 6)[0]  # the first pass over this pipeline's 12 examples
         parts.append(sorted(int(round(value * 255)) for value in images[:, 0, 0, 0]))
     assert not set(parts[0]) & set(parts[1]) and sorted(parts[0] + parts[1]) == list(range(24))
-    evaluation = data.load("tfds:tfmp_test_tiny_images", "eval", 4, training=False,
-                           data_dir=tiny_tfds_dir)[0]
+    evaluation = data.load("tfds:tfmp_test_tiny_images", "eval", 4, training=False, data_dir=tiny_tfds_dir)[0]
     images, labels = _take(evaluation, 100)
     assert sorted(int(round(v * 255)) for v in images[labels >= 0][:, 0, 0, 0]) == list(range(100, 106))
 
 
 def test_tfds_prepared_dataset_training_stream(tiny_tfds_dir):
-    load = lambda **kwargs: data.load("tfds:tfmp_test_tiny_images", "train", 4,
-                                      data_dir=tiny_tfds_dir, seed=7, **kwargs)[0]
+    load = lambda **kwargs: data.load(
+        "tfds:tfmp_test_tiny_images", "train", 4, data_dir=tiny_tfds_dir, seed=7, **kwargs
+    )[0]
     full, again = _take(load(), 12), _take(load(), 12)
     np.testing.assert_array_equal(full[0], again[0])
     ids = [int(round(v * 255)) for v in full[0][:, 0, 0, 0]]
@@ -288,8 +307,9 @@ def test_tfds_prepared_dataset_training_stream(tiny_tfds_dir):
 def test_tfds_train_only_dataset_holds_out_a_slice(tiny_tfds_dir):
     info = data.describe("tfds:tfmp_test_tiny_train_only", data_dir=tiny_tfds_dir)
     assert (info.train_examples, info.eval_examples) == (18, 2)
-    load = lambda split: data.load("tfds:tfmp_test_tiny_train_only", split, 2, training=False,
-                                   data_dir=tiny_tfds_dir)[0]
+    load = lambda split: data.load(
+        "tfds:tfmp_test_tiny_train_only", split, 2, training=False, data_dir=tiny_tfds_dir
+    )[0]
     held_out, train = _ids(load("eval")), _ids(load("train"))  # "train[90%:]", "train[:90%]"
     assert len(held_out) == 2 and sorted(held_out + train) == list(range(20))
 
@@ -319,7 +339,11 @@ def test_folder_load_and_hold_out(image_folder):
     spec = f"folder:{image_folder}"
     info = data.describe(spec, image_size=12)
     assert (info.image_shape, info.num_classes, info.train_examples, info.eval_examples) == (
-        (12, 12, 3), 3, 54, 6)  # every 10th file per class is held out
+        (12, 12, 3),
+        3,
+        54,
+        6,
+    )  # every 10th file per class is held out
     assert data.describe(spec).image_shape == (64, 64, 3)  # the default size for folders
     images, labels = _take(data.load(spec, "eval", 4, image_size=12, training=False)[0], 10)
     images, labels = images[labels >= 0], labels[labels >= 0]  # drop the padding to 2 full batches
@@ -334,8 +358,9 @@ def test_folder_sharding_skip_and_cache(image_folder):
     spec = f"folder:{image_folder}"
     parts = []
     for pipeline_id in (0, 1):
-        dataset, policy = data.load(spec, "train", 2, image_size=8, seed=1,
-                                    input_context=_context(2, pipeline_id, 2))
+        dataset, policy = data.load(
+            spec, "train", 2, image_size=8, seed=1, input_context=_context(2, pipeline_id, 2)
+        )
         assert policy == "FILE"
         parts.append({image.tobytes() for image in _take(dataset, 27)[0]})  # one epoch: 27 each
     assert len(parts[0]) == len(parts[1]) == 27 and not parts[0] & parts[1]
@@ -376,9 +401,10 @@ def test_two_workers_see_exactly_a_single_process_global_batch(spec):
         assert policy == "DATA"
         workers.append(_take(dataset, 3)[0])
     for step in range(3):
-        expected = single_images[step * 8:(step + 1) * 8]
-        together = np.concatenate([w[step * 4:(step + 1) * 4] for w in workers])
-        np.testing.assert_allclose(np.sort(together.reshape(8, -1).sum(1)),
-                                   np.sort(expected.reshape(8, -1).sum(1)), rtol=1e-5)
+        expected = single_images[step * 8 : (step + 1) * 8]
+        together = np.concatenate([w[step * 4 : (step + 1) * 4] for w in workers])
+        np.testing.assert_allclose(
+            np.sort(together.reshape(8, -1).sum(1)), np.sort(expected.reshape(8, -1).sum(1)), rtol=1e-5
+        )
     resumed, _ = data.load(spec, "train", 8, seed=3, input_context=_context(2, 1, 2), skip_examples=4)
     np.testing.assert_array_equal(_take(resumed, 1)[0], workers[1][4:8])

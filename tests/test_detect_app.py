@@ -9,14 +9,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import run_python
 from PIL import Image
 
-from conftest import run_python
 from tfmp import precision
-from tfmp.detection import boxes, data
+from tfmp.detection import boxes, data, retinanet
 from tfmp.detection.task import compile_detector
-from tfmp.engine import Engine
-from tfmp.models import retinanet
+from tfmp.training.engine import Engine
 
 SIZE, BATCH = 64, 4
 ANCHORS = boxes.generate_anchors(SIZE, retinanet.anchor_config("retinanet_tiny"))
@@ -26,18 +25,22 @@ def _engine(strategy, policy="float32", xla=False, learning_rate=0.01):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = retinanet.build_detector("retinanet_tiny", SIZE, 6, dtype=policy)
-        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(learning_rate, momentum=0.9), policy,
-                                             initial_scale=1024.0)
+        optimizer = precision.wrap_optimizer(
+            keras.optimizers.SGD(learning_rate, momentum=0.9), policy, initial_scale=1024.0
+        )
     compile_detector(model, optimizer, strategy, int(ANCHORS.shape[0]))
     return Engine(strategy, model, optimizer, xla=xla)
 
 
 def _batches(strategy, poison_rows=None):
     def dataset_fn(context):
-        dataset = data.load("shapes", "train", BATCH, anchors=ANCHORS, image_size=SIZE, input_context=context)[0]
+        dataset = data.load(
+            "shapes", "train", BATCH, anchors=ANCHORS, image_size=SIZE, input_context=context
+        )[0]
         if poison_rows is not None and context.input_pipeline_id == 0:
             dataset = dataset.map(lambda image, labels: (image * poison_rows(image), labels))
         return dataset
+
     return iter(strategy.distribute_datasets_from_function(dataset_fn))
 
 
@@ -83,17 +86,41 @@ def test_overflow_on_one_replica_skips_the_step_everywhere(mirrored):
 @pytest.mark.slow
 def test_app_trains_mixed_and_predicts_float32_boxes_drawn_to_png(tmp_path):
     run = tmp_path / "run"
-    result = run_python(["-m", "apps.detect", "--mixed", "--steps=6", "--steps_per_epoch=6", "--warmup_steps=0",
-                         f"--image_size={SIZE}", f"--global_batch_size={BATCH}", f"--model_dir={run}"])
+    result = run_python(
+        [
+            "-m",
+            "apps.detect",
+            "--mixed",
+            "--steps=6",
+            "--steps_per_epoch=6",
+            "--warmup_steps=0",
+            f"--image_size={SIZE}",
+            f"--global_batch_size={BATCH}",
+            f"--model_dir={run}",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = [line for line in result.stdout.splitlines() if line.startswith("tfmp summary:")][-1]
-    assert "eval mAP" in summary and "AP50" in summary and "images/s" in summary and "precision mixed_" in summary
+    assert (
+        "eval mAP" in summary
+        and "AP50" in summary
+        and "images/s" in summary
+        and "precision mixed_" in summary
+    )
     records = [json.loads(line) for line in open(run / "metrics.jsonl") if '"eval"' in line]
     assert {"mAP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large"} <= set(records[-1])
     picture = tmp_path / "scene.png"
     Image.fromarray((np.random.default_rng(0).random((80, 100, 3)) * 255).astype(np.uint8)).save(picture)
-    predicted = run_python(["-m", "apps.detect", f"--model_dir={run}", f"--predict={picture}",
-                            "--score_threshold=0.0", f"--output_dir={tmp_path / 'drawn'}"])
+    predicted = run_python(
+        [
+            "-m",
+            "apps.detect",
+            f"--model_dir={run}",
+            f"--predict={picture}",
+            "--score_threshold=0.0",
+            f"--output_dir={tmp_path / 'drawn'}",
+        ]
+    )
     assert predicted.returncode == 0, predicted.stderr[-3000:]
     record = json.loads(predicted.stdout.strip().splitlines()[-1])
     assert record["boxes_dtype"] == "float32" and record["scores_dtype"] == "float32"
@@ -103,11 +130,14 @@ def test_app_trains_mixed_and_predicts_float32_boxes_drawn_to_png(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, message", [
-    (["--model=yolo9"], "unknown detector 'yolo9'"),
-    (["--predict=/nonexistent/a.png", "--model_dir=MISSING"], "is not a tfmp run directory"),
-    (["--dataset=coco:/nonexistent"], "COCO dataset path '/nonexistent' does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model=yolo9"], "unknown detector 'yolo9'"),
+        (["--predict=/nonexistent/a.png", "--model_dir=MISSING"], "is not a tfmp run directory"),
+        (["--dataset=coco:/nonexistent"], "COCO dataset path '/nonexistent' does not exist"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
     args = [arg.replace("MISSING", str(tmp_path / "missing")) for arg in args]
     result = run_python(["-m", "apps.detect", f"--model_dir={tmp_path / 'run'}", *args])
@@ -119,7 +149,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
 
 @pytest.mark.slow
 def test_multi_worker_cells_train_every_precision_and_xla_identically():
-    result = run_python(["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "tests/mwms_detect_worker.py"])
+    result = run_python(
+        ["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "tests/mwms_detect_worker.py"]
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     cells = {}
     for line in result.stdout.splitlines():
@@ -137,9 +169,23 @@ def test_multi_worker_cells_train_every_precision_and_xla_identically():
 
 @pytest.mark.slow
 def test_two_workers_train_the_detector_identically(tmp_path):
-    result = run_python(["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "-m", "apps.detect",
-                         "--steps=3", "--steps_per_epoch=3", "--warmup_steps=0", f"--image_size={SIZE}",
-                         f"--global_batch_size={BATCH}", f"--model_dir={tmp_path / 'run'}"])
+    result = run_python(
+        [
+            "-m",
+            "tfmp.launch",
+            "--workers=2",
+            "--",
+            sys.executable,
+            "-m",
+            "apps.detect",
+            "--steps=3",
+            "--steps_per_epoch=3",
+            "--warmup_steps=0",
+            f"--image_size={SIZE}",
+            f"--global_batch_size={BATCH}",
+            f"--model_dir={tmp_path / 'run'}",
+        ]
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if "tfmp summary:" in line]
     assert len(summaries) == 2 and "2 replica(s) on 2 worker(s)" in summaries[0]

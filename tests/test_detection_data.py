@@ -23,8 +23,9 @@ ANCHORS = boxes.generate_anchors(SIZE, boxes.AnchorConfig(levels=(3, 4, 5)))
 
 
 def _context(pipelines, pipeline_id, replicas):
-    return tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=pipeline_id,
-                                      num_replicas_in_sync=replicas)
+    return tf.distribute.InputContext(
+        num_input_pipelines=pipelines, input_pipeline_id=pipeline_id, num_replicas_in_sync=replicas
+    )
 
 
 # ----------------------------------------------------------------------------- built-in scenes
@@ -44,8 +45,11 @@ def test_shapes_scenes_are_deterministic_with_boxes_on_the_drawn_pixels():
     # Every positive anchor's class is the class of a box of its image.
     for row in range(8):
         positive = set(labels["classes"][row].numpy()[labels["classes"][row].numpy() >= 0])
-        assert positive == set(truth["classes"][row].numpy()[counts[row] * [True] + [False] * (
-            data.SHAPES_MAX_SHAPES - counts[row])])
+        assert positive == set(
+            truth["classes"][row].numpy()[
+                counts[row] * [True] + [False] * (data.SHAPES_MAX_SHAPES - counts[row])
+            ]
+        )
 
 
 def test_a_single_shape_box_bounds_exactly_the_pixels_that_differ_from_the_background():
@@ -70,8 +74,8 @@ def test_flip_and_scale_jitter_move_boxes_with_the_pixels(index):
     mask = np.zeros([source_size, 40 + 4 * index, 3], np.float32)
     mask[10:40, 6:30] = 1.0
     image, moved, classes, scale = data.fit_to_square(
-        tf.constant(mask), tf.constant(box), tf.constant([0]), SIZE,
-        key=tf.constant([3, index], tf.int64))
+        tf.constant(mask), tf.constant(box), tf.constant([0]), SIZE, key=tf.constant([3, index], tf.int64)
+    )
     ink = image.numpy()[..., 0] > 0.5
     if int(classes[0]) < 0:  # mostly cropped away: dropped
         assert not moved.numpy().any()
@@ -87,12 +91,26 @@ def test_augmented_training_stream_resumes_and_shards_late():
     full, policy = data.load("shapes", "train", 4, anchors=ANCHORS, image_size=SIZE, augment=True)
     assert policy == "OFF"
     images = np.concatenate([x.numpy() for x, _ in full.take(2)])
-    resumed, _ = data.load("shapes", "train", 4, anchors=ANCHORS, image_size=SIZE, augment=True,
-                           skip_examples=4)
+    resumed, _ = data.load(
+        "shapes", "train", 4, anchors=ANCHORS, image_size=SIZE, augment=True, skip_examples=4
+    )
     np.testing.assert_array_equal(next(iter(resumed))[0], images[4:])
-    halves = [next(iter(data.load("shapes", "train", 4, anchors=ANCHORS, image_size=SIZE,
-                                  augment=True, input_context=_context(2, i, 2))[0]))[0].numpy()
-              for i in range(2)]
+    halves = [
+        next(
+            iter(
+                data.load(
+                    "shapes",
+                    "train",
+                    4,
+                    anchors=ANCHORS,
+                    image_size=SIZE,
+                    augment=True,
+                    input_context=_context(2, i, 2),
+                )[0]
+            )
+        )[0].numpy()
+        for i in range(2)
+    ]
     np.testing.assert_array_equal(halves[0], images[0:4:2])  # pipeline 0 takes every 2nd example
     np.testing.assert_array_equal(halves[1], images[1:4:2])
 
@@ -100,8 +118,9 @@ def test_augmented_training_stream_resumes_and_shards_late():
 def test_eval_split_is_padded_so_every_image_counts_once_on_two_pipelines():
     ids = []
     for pipeline in range(2):
-        dataset, policy = data.load("shapes", "eval", 64, anchors=ANCHORS, image_size=SIZE,
-                                    input_context=_context(2, pipeline, 2))
+        dataset, policy = data.load(
+            "shapes", "eval", 64, anchors=ANCHORS, image_size=SIZE, input_context=_context(2, pipeline, 2)
+        )
         assert policy == "DATA"
         batches = list(dataset)
         assert len(batches) == 8  # 250 images per pipeline -> 8 batches of 32
@@ -132,10 +151,21 @@ def _write_coco(root, split, sizes, annotations, categories=((5, "cat"), (9, "do
         pixels = np.full([height, width, 3], 40, np.uint8)
         Image.fromarray(pixels).save(os.path.join(root, split, name))
         images.append({"id": image_id, "file_name": name, "height": height, "width": width})
-    content = {"images": images, "categories": [{"id": i, "name": n} for i, n in categories],
-               "annotations": [{"id": i, "image_id": image_id, "category_id": category,
-                                "bbox": bbox, "iscrowd": crowd, "area": 0}
-                               for i, (image_id, category, bbox, crowd) in enumerate(annotations)]}
+    content = {
+        "images": images,
+        "categories": [{"id": i, "name": n} for i, n in categories],
+        "annotations": [
+            {
+                "id": i,
+                "image_id": image_id,
+                "category_id": category,
+                "bbox": bbox,
+                "iscrowd": crowd,
+                "area": 0,
+            }
+            for i, (image_id, category, bbox, crowd) in enumerate(annotations)
+        ],
+    }
     path = os.path.join(root, "annotations", f"instances_{split}.json")
     with open(path, "w") as handle:
         json.dump(content, handle)
@@ -144,13 +174,17 @@ def _write_coco(root, split, sizes, annotations, categories=((5, "cat"), (9, "do
 
 def test_coco_folder_maps_categories_scales_boxes_and_skips_crowds(tmp_path):
     root = str(tmp_path)
-    _write_coco(root, "train2017", [(32, 64), (64, 64)],
-                [(1, 9, [8, 4, 16, 8], 0), (2, 5, [0, 0, 32, 32], 0), (2, 5, [1, 1, 5, 5], 1)])
+    _write_coco(
+        root,
+        "train2017",
+        [(32, 64), (64, 64)],
+        [(1, 9, [8, 4, 16, 8], 0), (2, 5, [0, 0, 32, 32], 0), (2, 5, [1, 1, 5, 5], 1)],
+    )
     _write_coco(root, "val2017", [(128, 64)], [(1, 9, [10, 20, 30, 40], 0)])
     info = data.describe(f"coco:{root}", image_size=SIZE)
     assert info.class_names == ("cat", "dog") and (info.train_examples, info.eval_examples) == (2, 1)
     evaluation, _ = data.load(f"coco:{root}", "eval", 2, anchors=ANCHORS, image_size=SIZE)
-    (images, labels, truth), = list(evaluation)
+    ((images, labels, truth),) = list(evaluation)
     assert truth["valid"].numpy().tolist() == [True, False]
     assert truth["classes"][0, :2].numpy().tolist() == [1, -1]  # dog (id 9) is class 1
     np.testing.assert_allclose(truth["boxes"][0, 0], [5, 10, 20, 30])  # 128x64 -> 64x32
@@ -162,8 +196,9 @@ def test_coco_folder_maps_categories_scales_boxes_and_skips_crowds(tmp_path):
 
 
 def test_single_coco_json_holds_out_every_tenth_image(tmp_path):
-    written = _write_coco(str(tmp_path), "images", [(32, 32)] * 20,
-                          [(i, 5, [2, 2, 20, 20], 0) for i in range(1, 21)])
+    written = _write_coco(
+        str(tmp_path), "images", [(32, 32)] * 20, [(i, 5, [2, 2, 20, 20], 0) for i in range(1, 21)]
+    )
     with open(written) as handle:  # a labelling tool's export: file_names relative to the JSON
         content = json.load(handle)
     for image in content["images"]:
@@ -177,9 +212,10 @@ def test_single_coco_json_holds_out_every_tenth_image(tmp_path):
     assert next(iter(evaluation))[2]["valid"].numpy().all()
 
 
-@pytest.mark.parametrize("bbox, message", [([1, 1, -4, 5], "negative width or height"),
-                                           ([1, 1, 4], "bad bbox"),
-                                           ([1, "a", 4, 4], "bad bbox")])
+@pytest.mark.parametrize(
+    "bbox, message",
+    [([1, 1, -4, 5], "negative width or height"), ([1, 1, 4], "bad bbox"), ([1, "a", 4, 4], "bad bbox")],
+)
 def test_malformed_coco_boxes_are_one_line_usage_errors(tmp_path, bbox, message):
     _write_coco(str(tmp_path), "train2017", [(32, 32)], [(1, 5, bbox, 0)])
     with pytest.raises(UsageError, match=message) as error:
@@ -203,18 +239,28 @@ def _fake_voc(self, split, decoders=None, **_):
     """VOC-shaped examples with consistent object counts (tfds' random mock draws each object
     field with its own length, which its own Sequence encoder then rejects)."""
     features = self.info.features
-    specs = tf.nest.map_structure(lambda spec: tf.TensorSpec(spec.shape, spec.dtype),
-                                  features.get_serialized_info())
+    specs = tf.nest.map_structure(
+        lambda spec: tf.TensorSpec(spec.shape, spec.dtype), features.get_serialized_info()
+    )
 
     def examples():
         for index in range(5 if split == "test" else 7):
             count = index % 3 + 1
-            yield features.encode_example({
-                "image": np.full([40 + index, 80, 3], 90, np.uint8), "image/filename": f"{index}",
-                "labels": [index % 20] * count, "labels_no_difficult": [index % 20] * count,
-                "objects": {"bbox": [tfds.features.BBox(0.1, 0.2, 0.6, 0.7)] * count,
-                            "label": [index % 20] * count, "is_difficult": [False] * count,
-                            "is_truncated": [False] * count, "pose": [0] * count}})
+            yield features.encode_example(
+                {
+                    "image": np.full([40 + index, 80, 3], 90, np.uint8),
+                    "image/filename": f"{index}",
+                    "labels": [index % 20] * count,
+                    "labels_no_difficult": [index % 20] * count,
+                    "objects": {
+                        "bbox": [tfds.features.BBox(0.1, 0.2, 0.6, 0.7)] * count,
+                        "label": [index % 20] * count,
+                        "is_difficult": [False] * count,
+                        "is_truncated": [False] * count,
+                        "pose": [0] * count,
+                    },
+                }
+            )
 
     dataset = tf.data.Dataset.from_generator(examples, output_signature=specs)
     return dataset.map(functools.partial(features.decode_example, decoders=decoders))
@@ -226,8 +272,7 @@ def test_tfds_voc_decodes_relative_yxyx_boxes_offline():
         assert info.num_classes == 20 and info.class_names[0] == "aeroplane"
         evaluation, _ = data.load("tfds:voc/2007", "eval", 4, anchors=ANCHORS, image_size=SIZE)
         batches = list(evaluation)
-        train, _ = data.load("tfds:voc/2007", "train", 4, anchors=ANCHORS, image_size=SIZE,
-                             augment=True)
+        train, _ = data.load("tfds:voc/2007", "train", 4, anchors=ANCHORS, image_size=SIZE, augment=True)
         train_images, _ = next(iter(train))
     assert len(batches) == 2 and train_images.shape == (4, SIZE, SIZE, 3)
     truth = batches[0][2]
@@ -235,7 +280,15 @@ def test_tfds_voc_decodes_relative_yxyx_boxes_offline():
     # bbox (ymin .1, xmin .2, ymax .6, xmax .7) of an 80-wide, 40-high image scaled by 64/80
     np.testing.assert_allclose(truth["boxes"][0, 0], [12.8, 3.2, 44.8, 19.2], atol=1e-4)
     assert sorted(np.concatenate([b[2]["image_id"].numpy() for b in batches]).tolist()) == [
-        -1, -1, -1, 0, 1, 2, 3, 4]
+        -1,
+        -1,
+        -1,
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
 
 
 def test_tfds_dataset_that_is_not_detection_is_a_usage_error():

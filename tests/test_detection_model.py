@@ -1,4 +1,4 @@
-"""Tests for tfmp.models.retinanet, tfmp.detection.losses and .visualize.
+"""Tests for tfmp.detection.retinanet, tfmp.detection.losses and .visualize.
 
 The model under every policy (float32 outputs, layer names), the losses' global positive-anchor
 normaliser under MirroredStrategy on the two logical CPUs (conftest), float16 logits, a
@@ -15,20 +15,20 @@ import tensorflow as tf
 from PIL import Image
 
 from tfmp.detection import boxes, data, losses, visualize
+from tfmp.detection.retinanet import DETECTORS, anchor_config, build_detector
 from tfmp.errors import UsageError
-from tfmp.models.retinanet import DETECTORS, anchor_config, build_detector
 
 SIZE, CLASSES = 64, 6
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 FLOAT32_HEAD = ("_classes_output", "_boxes_output", "_classes", "_boxes")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny(policy):
     return build_detector("retinanet_tiny", SIZE, CLASSES, dtype=policy)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def batch(size=4):
     """One eval batch of `shapes` scenes with their anchor targets (uneven positive counts)."""
     anchors = boxes.generate_anchors(SIZE, anchor_config("retinanet_tiny"))
@@ -87,8 +87,9 @@ def test_bad_detector_requests_are_usage_errors():
 
 
 def _loss(labels, outputs):
-    return (losses.ClassLoss()(labels["classes"], outputs["classes"])
-            + losses.BoxLoss()(labels["boxes"], outputs["boxes"]))
+    return losses.ClassLoss()(labels["classes"], outputs["classes"]) + losses.BoxLoss()(
+        labels["boxes"], outputs["boxes"]
+    )
 
 
 def test_two_replicas_give_the_single_device_gradient_of_the_global_batch(mirrored, monkeypatch):
@@ -105,8 +106,10 @@ def test_two_replicas_give_the_single_device_gradient_of_the_global_batch(mirror
 
     def halves(context):
         index = context.replica_id_in_sync_group
-        return (images[2 * index:2 * index + 2],
-                tf.nest.map_structure(lambda t: t[2 * index:2 * index + 2], labels))
+        return (
+            images[2 * index : 2 * index + 2],
+            tf.nest.map_structure(lambda t: t[2 * index : 2 * index + 2], labels),
+        )
 
     def step(replica_images, replica_labels):
         with tf.GradientTape() as tape:
@@ -132,8 +135,9 @@ def test_losses_are_finite_float32_on_float16_logits_and_skip_ignored_anchors():
     shape = labels["classes"].shape + (CLASSES,)
     logits = tf.cast(tf.random.stateless_uniform(shape, [1, 2], -6e4, 6e4), tf.float16)
     class_loss = losses.ClassLoss()(labels["classes"], logits)
-    box_loss = losses.BoxLoss()(labels["boxes"], tf.cast(tf.fill(
-        labels["boxes"].shape[:2] + (4,), 6e4), tf.float16))
+    box_loss = losses.BoxLoss()(
+        labels["boxes"], tf.cast(tf.fill(labels["boxes"].shape[:2] + (4,), 6e4), tf.float16)
+    )
     assert class_loss.dtype == tf.float32 and math.isfinite(float(class_loss))
     assert box_loss.dtype == tf.float32 and math.isfinite(float(box_loss))
     ignored = tf.fill(labels["classes"].shape, boxes.IGNORE)
@@ -146,8 +150,10 @@ def test_losses_are_finite_float32_on_float16_logits_and_skip_ignored_anchors():
 def test_compiled_model_trains_with_fit_under_mixed_float16():
     images, labels = batch()
     model = build_detector("retinanet_tiny", SIZE, CLASSES, dtype="mixed_float16")
-    model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss={"classes": losses.ClassLoss(), "boxes": losses.BoxLoss()})
+    model.compile(
+        keras.optimizers.SGD(0.01, momentum=0.9),
+        loss={"classes": losses.ClassLoss(), "boxes": losses.BoxLoss()},
+    )
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     history = model.fit(images, labels, batch_size=2, epochs=2, verbose=0).history
     assert all(math.isfinite(value) for value in history["loss"])
@@ -156,9 +162,15 @@ def test_compiled_model_trains_with_fit_under_mixed_float16():
 
 def test_drawn_detections_are_a_png_with_coloured_boxes(tmp_path):
     image = np.full([40, 60, 3], 0.5, np.float32)
-    path = visualize.draw_detections(image, [[5, 12, 30, 35]], [2], [0.87],
-                                     ["circle", "square", "triangle"], str(tmp_path / "a/b.png"),
-                                     scale=2)
+    path = visualize.draw_detections(
+        image,
+        [[5, 12, 30, 35]],
+        [2],
+        [0.87],
+        ["circle", "square", "triangle"],
+        str(tmp_path / "a/b.png"),
+        scale=2,
+    )
     picture = np.asarray(Image.open(path))
     assert picture.shape == (80, 120, 3)
     assert tuple(picture[50, 10]) == visualize.class_colour(2)  # the box's left edge
@@ -175,8 +187,9 @@ def test_plain_fit_on_two_replicas_ends_with_the_single_device_weights(mirrored)
         with strategy.scope():
             keras.utils.set_random_seed(1)
             model = build_detector("retinanet_tiny", SIZE, CLASSES, dtype="float32")
-            model.compile(keras.optimizers.SGD(0.1),
-                          loss={"classes": losses.ClassLoss(), "boxes": losses.BoxLoss()})
+            model.compile(
+                keras.optimizers.SGD(0.1), loss={"classes": losses.ClassLoss(), "boxes": losses.BoxLoss()}
+            )
         model.fit(dataset, epochs=1, verbose=0)
         return model.get_weights()
 

@@ -6,7 +6,8 @@ import math
 import pytest
 import tensorflow as tf
 
-from tfmp import cluster, distribute
+from tfmp.distribute import cluster
+from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 
 
@@ -16,26 +17,34 @@ def _tf_config(cluster, task_type="worker", index=0):
 
 def test_valid_tf_config():
     config = cluster.parse_tf_config(_tf_config({"worker": ["localhost:2222", "10.0.0.2:2222"]}, index=1))
-    assert (config.num_workers, config.task_type, config.task_index, config.is_chief) == (2, "worker", 1, False)
+    assert (config.num_workers, config.task_type, config.task_index, config.is_chief) == (
+        2,
+        "worker",
+        1,
+        False,
+    )
     assert config.address == "10.0.0.2:2222"
     chief = cluster.parse_tf_config(_tf_config({"chief": ["a:1"], "worker": ["b:2"]}, "chief"))
     assert chief.is_chief and chief.num_workers == 2
     assert cluster.parse_tf_config("") is None and cluster.parse_tf_config(None) is None
 
 
-@pytest.mark.parametrize("raw, message", [
-    ("{not json", "not valid JSON"),
-    (json.dumps({"task": {"type": "worker", "index": 0}}), "no 'cluster'"),
-    (_tf_config({"worker": ["a:1", "b:2"]}, index=2), "index 2 is out of range for 2 worker"),
-    (_tf_config({"chief": ["a:1", "b:2"]}, "chief"), "2 chiefs"),
-    (_tf_config({"master": ["a:1"]}, "master"), "unknown task type 'master'"),
-    (json.dumps({"cluster": {"worker": ["a:1"]}}), "no 'task'"),
-    (_tf_config({"worker": ["a:1"]}, "chief"), "task type 'chief' is not in the cluster"),
-    (_tf_config({"worker": ["localhost"]}), "not host:port"),
-    (_tf_config({"worker": ["a:99999"]}), "port in 1-65535"),
-    (_tf_config({"worker": ["a:1", "a:1"]}, index=1), "same host:port twice"),
-    (_tf_config({"worker": []}), "non-empty list"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ("{not json", "not valid JSON"),
+        (json.dumps({"task": {"type": "worker", "index": 0}}), "no 'cluster'"),
+        (_tf_config({"worker": ["a:1", "b:2"]}, index=2), "index 2 is out of range for 2 worker"),
+        (_tf_config({"chief": ["a:1", "b:2"]}, "chief"), "2 chiefs"),
+        (_tf_config({"master": ["a:1"]}, "master"), "unknown task type 'master'"),
+        (json.dumps({"cluster": {"worker": ["a:1"]}}), "no 'task'"),
+        (_tf_config({"worker": ["a:1"]}, "chief"), "task type 'chief' is not in the cluster"),
+        (_tf_config({"worker": ["localhost"]}), "not host:port"),
+        (_tf_config({"worker": ["a:99999"]}), "port in 1-65535"),
+        (_tf_config({"worker": ["a:1", "a:1"]}, index=1), "same host:port twice"),
+        (_tf_config({"worker": []}), "non-empty list"),
+    ],
+)
 def test_malformed_tf_config_is_one_clear_line(raw, message):
     with pytest.raises(UsageError, match=message) as error:
         cluster.parse_tf_config(raw)
@@ -85,6 +94,8 @@ def test_learning_rate_scaling_rules():
 
 
 def test_split_cpu_after_start_is_refused_with_the_counts():
-    with pytest.raises(UsageError, match="cannot split the CPU into 3 devices: TensorFlow already started with 2"):
+    with pytest.raises(
+        UsageError, match="cannot split the CPU into 3 devices: TensorFlow already started with 2"
+    ):
         distribute.split_cpu(3)
     distribute.split_cpu(2)  # the same split again is fine

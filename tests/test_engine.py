@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 from tfmp import models, precision
-from tfmp.engine import Engine
-from tfmp.classification import compile_classifier
+from tfmp.classification.task import compile_classifier
+from tfmp.training.engine import Engine
 
 GLOBAL_BATCH = 16
 SHAPE = (16, 16, 1)
@@ -28,6 +28,7 @@ def _distributed(strategy, images, labels, repeat=True):
         dataset = tf.data.Dataset.from_tensor_slices((images, labels))
         dataset = dataset.repeat() if repeat else dataset
         return dataset.batch(input_context.get_per_replica_batch_size(GLOBAL_BATCH))
+
     return strategy.distribute_datasets_from_function(dataset_fn)
 
 
@@ -35,8 +36,9 @@ def _engine(strategy, policy="float32", xla=False, loss_scale="auto", learning_r
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = models.build("lenet", SHAPE, 10, dtype=policy)
-        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(learning_rate), policy, loss_scale,
-                                             initial_scale=1024.0)
+        optimizer = precision.wrap_optimizer(
+            keras.optimizers.SGD(learning_rate), policy, loss_scale, initial_scale=1024.0
+        )
     compile_classifier(model, optimizer, strategy)
     return Engine(strategy, model, optimizer, xla=xla)
 
@@ -103,8 +105,9 @@ def test_fit_with_tfmp_loss_scaler_also_skips_replica_1_overflow(mirrored):
     keras.utils.set_random_seed(1)
     with mirrored.scope():
         model = models.build("lenet", SHAPE, 10, dtype="mixed_float16")
-        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), "mixed_float16", "dynamic",
-                                             initial_scale=1024.0)
+        optimizer = precision.wrap_optimizer(
+            keras.optimizers.SGD(0.05), "mixed_float16", "dynamic", initial_scale=1024.0
+        )
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     before = _weights(model)
     model.fit(images[:16], labels[:16], batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False)
@@ -152,8 +155,11 @@ def test_evaluate_counts_every_example_once_and_ignores_padding(mirrored):
     assert results["accuracy"] == pytest.approx(expected_accuracy)
     assert results["loss"] == pytest.approx(expected_loss, rel=1e-5)
     # Metrics reset between passes: 16 examples alone give their own accuracy.
-    again = engine.evaluate(mirrored.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((images[:16], labels[:16])).batch(GLOBAL_BATCH)))
+    again = engine.evaluate(
+        mirrored.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((images[:16], labels[:16])).batch(GLOBAL_BATCH)
+        )
+    )
     expected_16 = np.mean(np.argmax(probabilities[:16], -1) == labels[:16])
     assert again["accuracy"] == pytest.approx(expected_16)
 

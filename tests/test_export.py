@@ -1,4 +1,4 @@
-"""tfmp.export and apps.export: every artifact reloads in a fresh process and matches Keras.
+"""tfmp.serving.export and apps.export: every artifact reloads in a fresh process and matches Keras.
 
 One tiny ResNet-20 run (16x16 shapes, random weights and random BatchNorm statistics so the
 folding is exercised) is exported in float32 and bfloat16 in-process and in float16 through the
@@ -14,10 +14,12 @@ import os
 import keras
 import numpy as np
 import pytest
-
 from conftest import run_python
-from tfmp import data, export, models
+
+from tfmp import models
+from tfmp.classification import data
 from tfmp.errors import UsageError
+from tfmp.serving import export
 
 pytestmark = pytest.mark.slow  # fresh processes
 IMAGE_SIZE, EVAL_IMAGES = 16, 128
@@ -26,7 +28,7 @@ TOLERANCE = {"float32": 1e-5, "float16": 0.01, "bfloat16": 0.08}
 RELOAD = r"""
 import json, os, sys
 import numpy as np, tensorflow as tf
-from tfmp import inference
+from tfmp.serving import predictors as inference
 export_root, images = sys.argv[1], np.load(sys.argv[2])
 outputs, facts = {}, {}
 for precision in sorted(os.listdir(export_root)):
@@ -67,8 +69,10 @@ def _tiny_run(run_dir):
     os.makedirs(run_dir)
     model.save(os.path.join(run_dir, "model.keras"))
     with open(os.path.join(run_dir, "flags.txt"), "w") as file:
-        file.write(f"# resolved flags\n--model=resnet20\n--dataset=shapes\n--image_size={IMAGE_SIZE}\n"
-                   "--precision=mixed_bfloat16\n")
+        file.write(
+            f"# resolved flags\n--model=resnet20\n--dataset=shapes\n--image_size={IMAGE_SIZE}\n"
+            "--precision=mixed_bfloat16\n"
+        )
     return model
 
 
@@ -85,13 +89,21 @@ def exported(tmp_path_factory):
     stream = data.load("shapes", "eval", EVAL_IMAGES, image_size=IMAGE_SIZE, training=False)[0]
     images = next(iter(stream))[0].numpy()
     np.save(root / "images.npy", images)
-    reference = export.reference_outputs(export.inference_copy(model, "float32", fold_batch_norms=False), images)
-    reload = run_python(["-c", RELOAD, os.path.join(run_dir, "export"), str(root / "images.npy"),
-                         str(root / "outputs.npz")])
+    reference = export.reference_outputs(
+        export.inference_copy(model, "float32", fold_batch_norms=False), images
+    )
+    reload = run_python(
+        ["-c", RELOAD, os.path.join(run_dir, "export"), str(root / "images.npy"), str(root / "outputs.npz")]
+    )
     assert reload.returncode == 0, reload.stderr[-3000:]
     facts = json.loads(next(line for line in reload.stdout.splitlines() if line.startswith("FACTS "))[6:])
-    return {"run_dir": run_dir, "app_stdout": app.stdout, "reference": reference, "facts": facts,
-            "outputs": dict(np.load(root / "outputs.npz"))}
+    return {
+        "run_dir": run_dir,
+        "app_stdout": app.stdout,
+        "reference": reference,
+        "facts": facts,
+        "outputs": dict(np.load(root / "outputs.npz")),
+    }
 
 
 def test_float32_artifacts_equal_the_keras_model(exported):
@@ -132,8 +144,10 @@ def test_tflite_has_no_flex_ops_and_runs_in_litert(exported):
         assert tflite["interpreter"].startswith("ai_edge_litert"), tflite
         assert not [op for op in tflite["ops"] if op.startswith("Flex") or op == "CUSTOM"], tflite["ops"]
         assert tflite["input_dtype"] == tflite["output_dtype"] == "float32"
-    sizes = {p: os.path.getsize(os.path.join(exported["run_dir"], "export", p, "model.tflite"))
-             for p in ("float32", "float16")}
+    sizes = {
+        p: os.path.getsize(os.path.join(exported["run_dir"], "export", p, "model.tflite"))
+        for p in ("float32", "float16")
+    }
     assert sizes["float16"] <= 0.52 * sizes["float32"], sizes
 
 
@@ -160,15 +174,20 @@ def test_failed_export_keeps_the_previous_one_and_leaves_no_partial_dir(exported
 
     monkeypatch.setattr(export, "write_tflite", broken)
     with pytest.raises(RuntimeError):
-        export.export_run(exported["run_dir"], formats=["keras", "tflite"], precision="float32", eval_batches=1)
+        export.export_run(
+            exported["run_dir"], formats=["keras", "tflite"], precision="float32", eval_batches=1
+        )
     assert sorted(os.listdir(export_root)) == ["bfloat16", "float16", "float32"]
     assert os.path.getmtime(os.path.join(export_root, "float32", "export.json")) == before
 
 
-@pytest.mark.parametrize("formats, precision, message", [
-    (["saved_model", "onnx"], "float32", "unknown format 'onnx'"),
-    (["tflite"], "int8", "unknown precision 'int8'"),
-])
+@pytest.mark.parametrize(
+    "formats, precision, message",
+    [
+        (["saved_model", "onnx"], "float32", "unknown format 'onnx'"),
+        (["tflite"], "int8", "unknown precision 'int8'"),
+    ],
+)
 def test_unknown_format_or_precision_is_refused_before_writing(tmp_path, formats, precision, message):
     with pytest.raises(UsageError, match=message):
         export.export_run(str(tmp_path), formats, precision)
@@ -209,7 +228,7 @@ DETECTOR_BOX_TOLERANCE, DETECTOR_SCORE_TOLERANCE, DETECTOR_HALF_AGREEMENT = 1e-3
 DETECTOR_RELOAD = r"""
 import json, sys
 import numpy as np
-from tfmp import inference
+from tfmp.serving import predictors as inference
 root, images = sys.argv[1], np.load(sys.argv[2])
 arrays, facts = {}, {}
 for name in ("float32/saved_model", "bfloat16/saved_model", "float32/model.tflite"):
@@ -232,7 +251,7 @@ print("FACTS " + json.dumps(facts))
 def _detector_run(run_dir):
     """A run dir as apps.detect leaves it; the output convs get spread-out weights so random
     scores are far from ties and boxes move off their anchors."""
-    from tfmp.models.retinanet import build_detector
+    from tfmp.detection.retinanet import build_detector
 
     keras.utils.set_random_seed(4)
     model = build_detector("retinanet_tiny", DETECTOR_SIZE, DETECTOR_CLASSES, dtype="mixed_bfloat16")
@@ -250,33 +269,53 @@ def _detector_run(run_dir):
 
 @pytest.fixture(scope="module")
 def detector_exported(tmp_path_factory):
-    from tfmp import export_detector
+    from tfmp.serving import detector as export_detector
 
     root = tmp_path_factory.mktemp("detector")
     run_dir = str(root / "run")
     model = _detector_run(run_dir)
-    reports = {"float32": export.export_run(run_dir, ["saved_model", "tflite"], "float32", eval_batches=1,
-                                            batch_size=8),
-               "bfloat16": export.export_run(run_dir, ["saved_model"], "bfloat16", eval_batches=1, batch_size=8)}
+    reports = {
+        "float32": export.export_run(
+            run_dir, ["saved_model", "tflite"], "float32", eval_batches=1, batch_size=8
+        ),
+        "bfloat16": export.export_run(run_dir, ["saved_model"], "bfloat16", eval_batches=1, batch_size=8),
+    }
     options = reports["float32"]["detector"]
     images = np.random.default_rng(5).uniform(size=(6, DETECTOR_SIZE, DETECTOR_SIZE, 3)).astype(np.float32)
     np.save(root / "images.npy", images)
     reference = export.inference_copy(model, "float32", fold_batch_norms=False)
     raw = {key: np.asarray(value) for key, value in reference(images).items()}
-    reload = run_python(["-c", DETECTOR_RELOAD, os.path.join(run_dir, "export"), str(root / "images.npy"),
-                         str(root / "outputs.npz")])
+    reload = run_python(
+        [
+            "-c",
+            DETECTOR_RELOAD,
+            os.path.join(run_dir, "export"),
+            str(root / "images.npy"),
+            str(root / "outputs.npz"),
+        ]
+    )
     assert reload.returncode == 0, reload.stderr[-3000:]
     facts = json.loads(next(line for line in reload.stdout.splitlines() if line.startswith("FACTS "))[6:])
-    return {"model": model, "reports": reports, "raw": raw, "expected": export_detector.decode(raw, options),
-            "facts": facts, "outputs": dict(np.load(root / "outputs.npz"))}
+    return {
+        "model": model,
+        "reports": reports,
+        "raw": raw,
+        "expected": export_detector.decode(raw, options),
+        "facts": facts,
+        "outputs": dict(np.load(root / "outputs.npz")),
+    }
 
 
 def test_detector_saved_model_is_float32_images_in_float32_boxes_and_scores_out(detector_exported):
     for precision in ("float32", "bfloat16"):
         facts = detector_exported["facts"][f"{precision}/saved_model"]
         assert facts["input_dtype"] == "float32"
-        assert facts["output_dtypes"] == {"boxes": "float32", "scores": "float32", "classes": "int32",
-                                          "valid_detections": "int32"}
+        assert facts["output_dtypes"] == {
+            "boxes": "float32",
+            "scores": "float32",
+            "classes": "int32",
+            "valid_detections": "int32",
+        }
     report = detector_exported["reports"]["float32"]
     assert report["kind"] == "detector" and report["detector"]["anchor_levels"] == [3, 4, 5]
     assert report["class_names"][:3] == ["circle", "square", "triangle"]  # detection shapes' names
@@ -290,13 +329,17 @@ def test_detector_half_precision_copies_hold_half_variables_except_the_float32_h
     float32 = [shape for dtype, shape in variables if dtype == "float32"]
     assert {dtype for dtype, _ in variables} == {"bfloat16", "float32"}
     # Only the two output convs (kernel + bias), which the mixed model runs in float32 on purpose.
-    assert sorted(shape[-1] for shape in float32) == sorted([9 * 4, 9 * 4, 9 * DETECTOR_CLASSES, 9 * DETECTOR_CLASSES])
+    assert sorted(shape[-1] for shape in float32) == sorted(
+        [9 * 4, 9 * 4, 9 * DETECTOR_CLASSES, 9 * DETECTOR_CLASSES]
+    )
     copy = export.inference_copy(detector_exported["model"], "float16", keep_float32_layers=True)
     dtypes = {variable.path: variable.dtype for variable in copy.weights}
     assert sum(dtype == "float16" for dtype in dtypes.values()) == len(dtypes) - 4
     assert all(dtype == "float32" for path, dtype in dtypes.items() if "_output/" in path)
-    assert any(isinstance(layer, keras.layers.GroupNormalization) and layer.dtype_policy.name == "float16"
-               for layer in copy.layers)
+    assert any(
+        isinstance(layer, keras.layers.GroupNormalization) and layer.dtype_policy.name == "float16"
+        for layer in copy.layers
+    )
 
 
 def test_detector_float32_saved_model_reloads_with_the_keras_detections(detector_exported):
@@ -312,7 +355,7 @@ def test_detector_float32_saved_model_reloads_with_the_keras_detections(detector
 
 
 def test_detector_bfloat16_saved_model_and_raw_tflite_find_the_same_objects(detector_exported):
-    from tfmp import export_detector
+    from tfmp.serving import detector as export_detector
 
     outputs, expected = detector_exported["outputs"], detector_exported["expected"]
     for name, least in (("bfloat16/saved_model", DETECTOR_HALF_AGREEMENT), ("float32/model.tflite", 0.99)):
@@ -323,19 +366,33 @@ def test_detector_bfloat16_saved_model_and_raw_tflite_find_the_same_objects(dete
     # NMS is no TFLite builtin: the .tflite returns raw logits and deltas, built-in ops only.
     ops = detector_exported["facts"]["float32/model.tflite"]["ops"]
     assert not [op for op in ops if op.startswith("Flex") or op == "CUSTOM"], ops
-    assert np.abs(outputs["float32/model.tflite/raw_classes"] - detector_exported["raw"]["classes"]).max() <= 1e-4
+    assert (
+        np.abs(outputs["float32/model.tflite/raw_classes"] - detector_exported["raw"]["classes"]).max()
+        <= 1e-4
+    )
 
 
 def test_inference_bench_times_every_artifact_and_reports_the_goal_ratios(tmp_path):
-    from tfmp import bench_inference
+    from tfmp.bench import inference as bench_inference
 
     config = bench_inference.InferenceBenchConfig(
-        models=["mnist_mlp"], precisions=["bfloat16"], formats=["saved_model", "tflite"], batch_size=8,
-        repeats=2, min_repeat_seconds=0.05, output_dir=str(tmp_path))
+        models=["mnist_mlp"],
+        precisions=["bfloat16"],
+        formats=["saved_model", "tflite"],
+        batch_size=8,
+        repeats=2,
+        min_repeat_seconds=0.05,
+        output_dir=str(tmp_path),
+    )
     report = bench_inference.run(config, progress=lambda line: None)
     rows = {(row["format"], row["precision"]) for row in report["rows"]}
-    assert rows == {("keras (training model)", "float32"), ("saved_model", "float32"), ("tflite", "float32"),
-                    ("saved_model", "bfloat16"), ("tflite", "float16 weights")}
+    assert rows == {
+        ("keras (training model)", "float32"),
+        ("saved_model", "float32"),
+        ("tflite", "float32"),
+        ("saved_model", "bfloat16"),
+        ("tflite", "float16 weights"),
+    }
     for row in report["rows"]:
         assert row["latency_ms_p50"] <= row["latency_ms_p99"] and row["images_per_sec"] > 0
     ratios = {ratio["ratio"]: ratio["value"] for ratio in report["ratios"]}

@@ -9,13 +9,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import tfmp
 from conftest import run_python
 from fit_worker import GLOBAL_BATCH, StepLosses, compile_tutorial, tutorial_data, tutorial_model
+
+import tfmp
 from tfmp import precision
 from tfmp.errors import UsageError
-
 
 
 def _tutorial(strategy=None):
@@ -74,13 +73,25 @@ def _two_output_model(strategy):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         inputs = keras.Input((6,), name="features")
-        hidden = keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3))(inputs)
-        model = keras.Model(inputs, {"kind": keras.layers.Dense(3, name="kind")(hidden),
-                                     "size": keras.layers.Dense(1, name="size")(hidden)})
-        model.compile(keras.optimizers.SGD(0.1),
-                      loss={"kind": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                            "size": keras.losses.MeanSquaredError()},
-                      loss_weights={"kind": 1.0, "size": 0.5}, metrics={"kind": ["accuracy"]})
+        hidden = keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3))(
+            inputs
+        )
+        model = keras.Model(
+            inputs,
+            {
+                "kind": keras.layers.Dense(3, name="kind")(hidden),
+                "size": keras.layers.Dense(1, name="size")(hidden),
+            },
+        )
+        model.compile(
+            keras.optimizers.SGD(0.1),
+            loss={
+                "kind": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                "size": keras.losses.MeanSquaredError(),
+            },
+            loss_weights={"kind": 1.0, "size": 0.5},
+            metrics={"kind": ["accuracy"]},
+        )
     return model
 
 
@@ -96,11 +107,13 @@ def _two_output_data():
 def test_two_outputs_dict_labels_loss_weights_and_sample_weight_equal_model_fit(mirrored, replicated):
     x, y, sample_weight = _two_output_data()
     keras_model = _two_output_model(tf.distribute.get_strategy())
-    expected = keras_model.fit(x, y, sample_weight=sample_weight, batch_size=16, epochs=2, shuffle=False,
-                               verbose=0).history
+    expected = keras_model.fit(
+        x, y, sample_weight=sample_weight, batch_size=16, epochs=2, shuffle=False, verbose=0
+    ).history
     model = _two_output_model(mirrored if replicated else tf.distribute.get_strategy())
-    history = tfmp.fit(model, x, y, sample_weight=sample_weight, batch_size=16, epochs=2, shuffle=False,
-                       verbose=0).history
+    history = tfmp.fit(
+        model, x, y, sample_weight=sample_weight, batch_size=16, epochs=2, shuffle=False, verbose=0
+    ).history
     assert set(history) == set(expected)  # loss, kind_loss, size_loss, kind_accuracy
     for key in expected:
         np.testing.assert_allclose(history[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
@@ -111,8 +124,16 @@ def test_two_outputs_dict_labels_loss_weights_and_sample_weight_equal_model_fit(
 def test_validation_and_evaluate_match_keras(reference):
     images, labels = tutorial_data()
     model = _tutorial()
-    history = tfmp.fit(model, images, labels, batch_size=GLOBAL_BATCH, shuffle=False, epochs=1,
-                       validation_data=(images[:40], labels[:40]), verbose=0).history
+    history = tfmp.fit(
+        model,
+        images,
+        labels,
+        batch_size=GLOBAL_BATCH,
+        shuffle=False,
+        epochs=1,
+        validation_data=(images[:40], labels[:40]),
+        verbose=0,
+    ).history
     expected = model.evaluate(images[:40], labels[:40], batch_size=GLOBAL_BATCH, return_dict=True, verbose=0)
     assert history["val_loss"][0] == pytest.approx(expected["loss"], rel=1e-5)
     assert history["val_accuracy"][0] == pytest.approx(expected["accuracy"])
@@ -146,8 +167,9 @@ def test_mixed_float16_model_gets_replica_safe_loss_scaling(mirrored, tmp_path):
 def test_plain_optimizer_on_float16_model_is_wrapped():
     keras.utils.set_random_seed(0)
     model = tutorial_model()
-    mixed = keras.Sequential([keras.Input((12, 12, 1)), keras.layers.Flatten(),
-                              keras.layers.Dense(10, dtype="mixed_float16")])
+    mixed = keras.Sequential(
+        [keras.Input((12, 12, 1)), keras.layers.Flatten(), keras.layers.Dense(10, dtype="mixed_float16")]
+    )
     mixed.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     images, labels = tutorial_data(32)
     tfmp.fit(mixed, images, labels, batch_size=16, verbose=0)
@@ -162,8 +184,9 @@ def test_resume_from_model_dir_continues_at_the_exact_step(reference, tmp_path):
     # Stop after 12 of 20 steps, as a preempted run would: steps_per_epoch=12 in a first call.
     tfmp.fit(first, _dataset(images, labels).take(12), epochs=1, verbose=0, model_dir=str(tmp_path))
     resumed = _tutorial()
-    tfmp.fit(resumed, _dataset(images, labels), epochs=1, verbose=0, model_dir=str(tmp_path),
-             steps_per_epoch=20)
+    tfmp.fit(
+        resumed, _dataset(images, labels), epochs=1, verbose=0, model_dir=str(tmp_path), steps_per_epoch=20
+    )
     assert int(resumed.optimizer.iterations.numpy()) == 20
     for a, b in zip(_weights(resumed), weights):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -175,16 +198,34 @@ def test_bad_input_is_one_line_and_writes_nothing(mirrored, tmp_path):
     model_dir = tmp_path / "run"
     uncompiled = tutorial_model()
     cases = [
-        (lambda: tfmp.fit(uncompiled, images, labels, batch_size=16, model_dir=str(model_dir)),
-         "is not compiled; call model.compile"),
-        (lambda: tfmp.fit(_tutorial(mirrored), _dataset(images, labels).rebatch(15),
-                          model_dir=str(model_dir)), "global batch 15 is not divisible by 2 replicas"),
-        (lambda: tfmp.fit(_tutorial(), np.zeros((32, 9, 9, 1), np.float32), labels[:32], batch_size=16,
-                          model_dir=str(model_dir)), "the data do not fit model"),
+        (
+            lambda: tfmp.fit(uncompiled, images, labels, batch_size=16, model_dir=str(model_dir)),
+            "is not compiled; call model.compile",
+        ),
+        (
+            lambda: tfmp.fit(
+                _tutorial(mirrored), _dataset(images, labels).rebatch(15), model_dir=str(model_dir)
+            ),
+            "global batch 15 is not divisible by 2 replicas",
+        ),
+        (
+            lambda: tfmp.fit(
+                _tutorial(),
+                np.zeros((32, 9, 9, 1), np.float32),
+                labels[:32],
+                batch_size=16,
+                model_dir=str(model_dir),
+            ),
+            "the data do not fit model",
+        ),
     ]
     outside = _tutorial()
-    cases.append((lambda: _fit_in_scope(mirrored, outside, images, labels, model_dir),
-                  "was built outside the scope of the MirroredStrategy"))
+    cases.append(
+        (
+            lambda: _fit_in_scope(mirrored, outside, images, labels, model_dir),
+            "was built outside the scope of the MirroredStrategy",
+        )
+    )
     for call, message in cases:
         with pytest.raises(UsageError, match=message) as error:
             call()
@@ -200,11 +241,16 @@ def _fit_in_scope(strategy, model, images, labels, model_dir):
 @pytest.mark.slow
 def test_same_script_on_two_workers_equals_one_process(reference, tmp_path):
     losses, _, weights = reference
-    result = run_python(["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "tests/fit_worker.py"],
-                        env={"FIT_WORKER_OUT": str(tmp_path)})
+    result = run_python(
+        ["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "tests/fit_worker.py"],
+        env={"FIT_WORKER_OUT": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    records = [json.loads(line.split("] ", 1)[1]) for line in result.stdout.splitlines()
-               if line.startswith("[worker") and "] {" in line]
+    records = [
+        json.loads(line.split("] ", 1)[1])
+        for line in result.stdout.splitlines()
+        if line.startswith("[worker") and "] {" in line
+    ]
     assert len(records) == 2
     for record in records:
         assert record["replicas"] == 2
@@ -222,8 +268,9 @@ def test_a_users_model_is_pruned_through_the_keras_callback():
     images, labels = tutorial_data()
     model = _tutorial()
     pruner = pruning.Pruner(model, pruning.PolynomialSchedule(0.5, begin_step=2, end_step=10, every=2))
-    history = tfmp.fit(model, _dataset(images, labels), epochs=1, verbose=0,
-                       callbacks=[pruning.PruningCallback(pruner)])
+    history = tfmp.fit(
+        model, _dataset(images, labels), epochs=1, verbose=0, callbacks=[pruning.PruningCallback(pruner)]
+    )
     assert history.history["sparsity"] == [pytest.approx(0.5, abs=0.01)]
     dense = model.layers[-2].kernel.numpy()  # pruned, and kept at zero through later steps
     assert np.mean(dense == 0) == pytest.approx(0.5, abs=0.01)

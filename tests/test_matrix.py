@@ -12,19 +12,23 @@ import sys
 import keras
 import numpy as np
 import pytest
-
 from conftest import ROOT
-from tfmp import data, distribute, launch, models, precision
-from tfmp.engine import Engine
-from tfmp.classification import compile_classifier
+
+from tfmp import models, precision
+from tfmp.classification import data
+from tfmp.classification.task import compile_classifier
+from tfmp.distribute import launch
+from tfmp.distribute import strategies as distribute
+from tfmp.training.engine import Engine
 
 GLOBAL_BATCH = 16
 
 
 @pytest.fixture(scope="module")
 def strategies():
-    return {name: distribute.get_strategy(name, tf_config="")
-            for name in ("default", "one_device", "mirrored")}
+    return {
+        name: distribute.get_strategy(name, tf_config="") for name in ("default", "one_device", "mirrored")
+    }
 
 
 @pytest.mark.parametrize("xla", [False, True], ids=["xla_off", "xla_on"])
@@ -39,7 +43,8 @@ def test_single_process_cell_trains(strategies, strategy_name, policy, xla):
     compile_classifier(model, optimizer, strategy)
     engine = Engine(strategy, model, optimizer, xla=xla)
     train = strategy.distribute_datasets_from_function(
-        lambda context: data.load("digits", "train", GLOBAL_BATCH, input_context=context)[0])
+        lambda context: data.load("digits", "train", GLOBAL_BATCH, input_context=context)[0]
+    )
     first = engine.train(iter(train), 1)
     later = engine.train(iter(train), 8)
     assert np.isfinite(first.metrics["loss"]) and later.nonfinite_steps == 0
@@ -57,9 +62,16 @@ def test_multi_worker_cells_train_and_agree():
     for index in range(2):
         tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
         env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL="2")
-        processes.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "mwms_worker.py")],
-                                          cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE))
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(ROOT, "tests", "mwms_worker.py")],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     outputs = []
     for process in processes:
         stdout, stderr = process.communicate(timeout=600)

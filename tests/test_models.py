@@ -36,7 +36,7 @@ def restore_float32_policy():
     keras.mixed_precision.set_global_policy("float32")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_model(name: str, policy: str) -> keras.Model:
     return build(name, SMALL_INPUT_SHAPES[name], 10, dtype=policy)
 

@@ -16,21 +16,40 @@ import time
 import keras
 import numpy as np
 import pytest
-
 from conftest import ROOT, run_python
-from tfmp import launch
+
+from tfmp.distribute import launch
 from tfmp.errors import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 
 # LeNet has neither dropout nor BatchNorm, so 2 workers can match 1 process to float rounding.
-APP = ["-m", "apps.classify", "--model=lenet", "--dataset=digits", "--global_batch_size=32",
-       "--optimizer=sgd", "--learning_rate=0.05", "--log_every=10"]
+APP = [
+    "-m",
+    "apps.classify",
+    "--model=lenet",
+    "--dataset=digits",
+    "--global_batch_size=32",
+    "--optimizer=sgd",
+    "--learning_rate=0.05",
+    "--log_every=10",
+]
 
 
 def _launch(tmp_path, app_flags, *launch_flags):
-    return [sys.executable, "-m", "tfmp.launch", "--workers=2", *launch_flags, "--",
-            sys.executable, *APP, "--strategy=multi_worker", f"--model_dir={tmp_path / 'run'}", *app_flags]
+    return [
+        sys.executable,
+        "-m",
+        "tfmp.launch",
+        "--workers=2",
+        *launch_flags,
+        "--",
+        sys.executable,
+        *APP,
+        "--strategy=multi_worker",
+        f"--model_dir={tmp_path / 'run'}",
+        *app_flags,
+    ]
 
 
 def _env(tmp_path):
@@ -40,8 +59,7 @@ def _env(tmp_path):
 
 
 def _summaries(output):
-    return {int(m.group(1)): m.group(2) for m in
-            re.finditer(r"\[worker (\d)\] tfmp summary: (.*)", output)}
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"\[worker (\d)\] tfmp summary: (.*)", output)}
 
 
 def _digest(summary):
@@ -71,8 +89,9 @@ def test_two_workers_match_one_process_and_only_the_chief_writes(tmp_path):
     # 20 steps: past ~25 steps at this learning rate, training amplifies float rounding
     # (measured: losses equal to 6 digits up to step 23, 1e-5 apart from step 24).
     flags = ["--steps=20", "--steps_per_epoch=20", "--checkpoint_every=5"]
-    result = subprocess.run(_launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True,
-                            capture_output=True, timeout=600)
+    result = subprocess.run(
+        _launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True, capture_output=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = _summaries(result.stdout)
     assert set(summaries) == {0, 1}
@@ -96,10 +115,26 @@ def test_two_workers_match_one_process_and_only_the_chief_writes(tmp_path):
 def test_apps_train_multi_worker_under_the_launcher_without_extra_flags(tmp_path):
     """apps.mnist defaults to MirroredStrategy; started by the launcher it must go multi-worker,
     pick a run dir both workers share, and end without a shutdown error."""
-    command = [sys.executable, "-m", "tfmp.launch", "--workers=2", "--", sys.executable, "-m", "apps.mnist",
-               "--steps=4", "--steps_per_epoch=4"]
-    result = subprocess.run(command, cwd=tmp_path, env=dict(_env(tmp_path), PYTHONPATH=ROOT), text=True,
-                            capture_output=True, timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "tfmp.launch",
+        "--workers=2",
+        "--",
+        sys.executable,
+        "-m",
+        "apps.mnist",
+        "--steps=4",
+        "--steps_per_epoch=4",
+    ]
+    result = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env=dict(_env(tmp_path), PYTHONPATH=ROOT),
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = _summaries(result.stdout)
     assert set(summaries) == {0, 1} and "2 replica(s) on 2 worker(s)" in summaries[0]
@@ -109,10 +144,16 @@ def test_apps_train_multi_worker_under_the_launcher_without_extra_flags(tmp_path
 
 
 def test_pruning_under_two_workers_gives_identical_sparse_models(tmp_path):
-    flags = ["--steps=8", "--steps_per_epoch=8", "--prune_sparsity=0.5", "--prune_end_step=4",
-             "--prune_every=2"]
-    result = subprocess.run(_launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True,
-                            capture_output=True, timeout=600)
+    flags = [
+        "--steps=8",
+        "--steps_per_epoch=8",
+        "--prune_sparsity=0.5",
+        "--prune_end_step=4",
+        "--prune_every=2",
+    ]
+    result = subprocess.run(
+        _launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True, capture_output=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = _summaries(result.stdout)
     assert _digest(summaries[0]) == _digest(summaries[1])  # same weights, so the same masks
@@ -123,10 +164,12 @@ def test_pruning_under_two_workers_gives_identical_sparse_models(tmp_path):
 
 
 def test_killed_worker_restarts_group_from_last_checkpoint(tmp_path):
-    command = _launch(tmp_path, ["--steps=120", "--steps_per_epoch=120", "--checkpoint_every=20"],
-                      "--max_restarts=1")
-    process = subprocess.Popen(command, cwd=ROOT, env=_env(tmp_path), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    command = _launch(
+        tmp_path, ["--steps=120", "--steps_per_epoch=120", "--checkpoint_every=20"], "--max_restarts=1"
+    )
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=_env(tmp_path), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     _wait_for_checkpoint(process, tmp_path)
     os.kill(_workers_of(process)[1], signal.SIGKILL)
     output, _ = process.communicate(timeout=600)
@@ -143,8 +186,14 @@ def test_killed_worker_restarts_group_from_last_checkpoint(tmp_path):
 
 def test_sigterm_on_one_worker_checkpoints_all_and_a_restart_finishes(tmp_path):
     flags = ["--steps=400", "--steps_per_epoch=400", "--checkpoint_every=100"]
-    process = subprocess.Popen(_launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        _launch(tmp_path, flags),
+        cwd=ROOT,
+        env=_env(tmp_path),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and metrics.read_text()) and time.time() < deadline:
@@ -155,8 +204,9 @@ def test_sigterm_on_one_worker_checkpoints_all_and_a_restart_finishes(tmp_path):
     assert output.count("preempted: SIGTERM on a worker: checkpoint saved at step") == 2, output[-4000:]
     saved = _checkpoint_steps(tmp_path)
     assert saved and saved[-1] % 100 != 0, saved  # the preemption checkpoint, between periodic ones
-    restart = subprocess.run(_launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True,
-                             capture_output=True, timeout=600)
+    restart = subprocess.run(
+        _launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True, capture_output=True, timeout=600
+    )
     assert restart.returncode == 0, restart.stdout[-3000:]
     assert json.load(open(tmp_path / "run" / "run_card.json"))["steps"].endswith(f"from step {saved[-1]}")
     assert "400 steps (400 applied)" in _summaries(restart.stdout)[0]
@@ -166,8 +216,17 @@ def test_unreachable_peer_fails_fast_naming_it(tmp_path):
     own, missing = launch.free_ports(2)
     tf_config = launch.tf_config([f"localhost:{own}", f"localhost:{missing}"], 0)
     started = time.time()
-    result = run_python(["-m", "apps.mnist", "--strategy=multi_worker", "--startup_timeout=5",
-                         f"--model_dir={tmp_path / 'run'}"], env={"TF_CONFIG": tf_config}, timeout=120)
+    result = run_python(
+        [
+            "-m",
+            "apps.mnist",
+            "--strategy=multi_worker",
+            "--startup_timeout=5",
+            f"--model_dir={tmp_path / 'run'}",
+        ],
+        env={"TF_CONFIG": tf_config},
+        timeout=120,
+    )
     assert result.returncode == 2
     assert f"could not reach localhost:{missing} within 5 s" in result.stderr
     assert "Traceback" not in result.stderr
@@ -175,16 +234,24 @@ def test_unreachable_peer_fails_fast_naming_it(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("tf_config, message", [
-    ("{oops", "TF_CONFIG is not valid JSON"),
-    ('{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 1}}',
-     "TF_CONFIG task index 1 is out of range for 1 worker"),
-    ('{"cluster": {"chief": ["a:1", "b:2"]}, "task": {"type": "chief", "index": 0}}', "2 chiefs"),
-    ('{"cluster": {"boss": ["a:1"]}, "task": {"type": "boss", "index": 0}}', "unknown task type 'boss'"),
-    ('{"cluster": {"worker": ["a:1"]}}', "TF_CONFIG has no 'task'"),
-])
+@pytest.mark.parametrize(
+    "tf_config, message",
+    [
+        ("{oops", "TF_CONFIG is not valid JSON"),
+        (
+            '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 1}}',
+            "TF_CONFIG task index 1 is out of range for 1 worker",
+        ),
+        ('{"cluster": {"chief": ["a:1", "b:2"]}, "task": {"type": "chief", "index": 0}}', "2 chiefs"),
+        ('{"cluster": {"boss": ["a:1"]}, "task": {"type": "boss", "index": 0}}', "unknown task type 'boss'"),
+        ('{"cluster": {"worker": ["a:1"]}}', "TF_CONFIG has no 'task'"),
+    ],
+)
 def test_malformed_tf_config_is_one_line_exit_2(tf_config, message):
-    result = run_python(["-m", "tfmp.launch", "--", sys.executable, "-m", "apps.mnist"],
-                        env={"TF_CONFIG": tf_config}, timeout=60)
+    result = run_python(
+        ["-m", "tfmp.launch", "--", sys.executable, "-m", "apps.mnist"],
+        env={"TF_CONFIG": tf_config},
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and message in result.stderr, result.stderr

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import models, pipeline, precision
-from tfmp.engine import Engine
+from tfmp import models, precision
+from tfmp.classification.task import compile_classifier
 from tfmp.errors import UsageError
-from tfmp.classification import compile_classifier
+from tfmp.pipeline import plan as pipeline
+from tfmp.training.engine import Engine
 
 SHAPE = (16, 16, 1)
 BATCH = 16
@@ -36,8 +37,9 @@ def _lenet(policy="float32", split=True, micro_batches=4, xla=False, boundaries=
     if split:
         plan = pipeline.plan(model, DEVICES, micro_batches=micro_batches, boundaries=boundaries)
         pipeline.place(model, plan)
-    optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05, momentum=0.9), policy, "auto",
-                                         initial_scale=1024.0)
+    optimizer = precision.wrap_optimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), policy, "auto", initial_scale=1024.0
+    )
     compile_classifier(model, optimizer, strategy)
     hook = pipeline.gradients_fn(plan) if split else None
     return Engine(strategy, model, optimizer, xla=xla, gradients=hook), plan
@@ -65,17 +67,22 @@ def test_float32_pipeline_trains_like_the_unsplit_model(xla):
 
 def test_regularisers_and_sample_weights_count_once_per_step():
     """A Sequential MLP with L2 penalties on both stages, sample-weighted, split by parameters."""
+
     def build(split):
         keras.utils.set_random_seed(2)
         regularizer = keras.regularizers.L2(0.01)
-        model = keras.Sequential([keras.Input(SHAPE), keras.layers.Flatten(),
-                                  keras.layers.Dense(32, activation="relu", kernel_regularizer=regularizer),
-                                  keras.layers.Dense(10, kernel_regularizer=regularizer)])
+        model = keras.Sequential(
+            [
+                keras.Input(SHAPE),
+                keras.layers.Flatten(),
+                keras.layers.Dense(32, activation="relu", kernel_regularizer=regularizer),
+                keras.layers.Dense(10, kernel_regularizer=regularizer),
+            ]
+        )
         plan = pipeline.plan(model, DEVICES, micro_batches=2, balance="params")
         if split:
             pipeline.place(model, plan)
-        model.compile(keras.optimizers.SGD(0.1),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         hook = pipeline.gradients_fn(plan) if split else None
         engine = Engine(tf.distribute.get_strategy(), model, gradients=hook)
         engine.train(iter(_data(weights=True)), 3)
@@ -187,8 +194,10 @@ def test_refusals_are_one_line(mirrored):
     _one_line_refusal(lambda: pipeline.plan(lenet, DEVICES, boundaries=["lenet_conv9"]), "unknown layer")
     resnet = models.build("resnet20", (8, 8, 3), 10)
     inside_block = "resnet20_stage1_block2_2_conv"  # the skip from the block's input crosses here
-    _one_line_refusal(lambda: pipeline.plan(resnet, DEVICES, boundaries=[inside_block]),
-                      f"cannot start a pipeline stage at layer '{inside_block}'")
+    _one_line_refusal(
+        lambda: pipeline.plan(resnet, DEVICES, boundaries=[inside_block]),
+        f"cannot start a pipeline stage at layer '{inside_block}'",
+    )
     plan = pipeline.plan(resnet, DEVICES)  # balanced cuts fall between blocks
     first_of_stage_2 = plan.stages[1].layers[0]
     assert first_of_stage_2.endswith("_1_conv") or first_of_stage_2.endswith("_out"), first_of_stage_2
@@ -211,10 +220,11 @@ def test_indivisible_batch_is_refused_when_the_step_is_traced():
 
 
 def test_bench_reports_throughput_bubble_and_memory_per_device():
-    from tfmp import bench_pipeline
+    from tfmp.bench import pipeline as bench_pipeline
 
-    rows = bench_pipeline.measure("seed_cnn", image_size=8, global_batch=8, micro_batches=(2,), steps=1,
-                                  repeats=1)
+    rows = bench_pipeline.measure(
+        "seed_cnn", image_size=8, global_batch=8, micro_batches=(2,), steps=1, repeats=1
+    )
     unsplit, piped = rows
     assert unsplit["relative"] == 1.0 and unsplit["stages"] == 1 and len(unsplit["devices"]) == 1
     assert piped["bubble_theory"] == pytest.approx(1 / 3) and len(piped["stage_busy_seconds"]) == 2

@@ -15,16 +15,30 @@ PASCAL = precision.Hardware(((6, 1),), False, False)
 TPU = precision.Hardware((), True, False)
 
 
-@pytest.mark.parametrize("hardware, expected", [
-    (VOLTA, "mixed_float16"), (PASCAL, "float32"), (TPU, "mixed_bfloat16"),
-    (CPU_BF16, "mixed_bfloat16"), (CPU_PLAIN, "float32")])
+@pytest.mark.parametrize(
+    "hardware, expected",
+    [
+        (VOLTA, "mixed_float16"),
+        (PASCAL, "float32"),
+        (TPU, "mixed_bfloat16"),
+        (CPU_BF16, "mixed_bfloat16"),
+        (CPU_PLAIN, "float32"),
+    ],
+)
 def test_auto_picks_fastest_policy(hardware, expected):
     assert precision.resolve("auto", hardware).policy == expected
 
 
-@pytest.mark.parametrize("hardware, expected, warns", [
-    (VOLTA, "mixed_float16", False), (PASCAL, "mixed_float16", True), (TPU, "mixed_bfloat16", False),
-    (CPU_BF16, "mixed_bfloat16", False), (CPU_PLAIN, "mixed_bfloat16", True)])
+@pytest.mark.parametrize(
+    "hardware, expected, warns",
+    [
+        (VOLTA, "mixed_float16", False),
+        (PASCAL, "mixed_float16", True),
+        (TPU, "mixed_bfloat16", False),
+        (CPU_BF16, "mixed_bfloat16", False),
+        (CPU_PLAIN, "mixed_bfloat16", True),
+    ],
+)
 def test_mixed_honours_request_and_warns_when_slow(hardware, expected, warns):
     choice = precision.resolve("mixed", hardware)
     assert choice.policy == expected
@@ -74,8 +88,13 @@ def test_fixed_loss_scale_unscales_gradients():
 def _two_replica_setup(strategy, growth_steps=2):
     with strategy.scope():
         variable = keras.Variable(np.ones(4, np.float32), name="weights")
-        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.1), "mixed_float16", "dynamic",
-                                             initial_scale=1024.0, growth_steps=growth_steps)
+        optimizer = precision.wrap_optimizer(
+            keras.optimizers.SGD(0.1),
+            "mixed_float16",
+            "dynamic",
+            initial_scale=1024.0,
+            growth_steps=growth_steps,
+        )
         optimizer.build([variable])
     return strategy, variable, optimizer
 
@@ -90,6 +109,7 @@ def _apply_step(strategy, variable, optimizer, bad_replica):
             gradient = tf.fill([4], 1024.0)
             gradient = tf.where(tf.equal(replica_id, bad_replica), gradient * np.inf, gradient)
             optimizer.apply([gradient], [variable])
+
         strategy.run(replica_fn)
 
     step()

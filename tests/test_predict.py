@@ -1,4 +1,4 @@
-"""apps.predict and tfmp.inference: training's preprocessing, top-k with class names, refusals.
+"""apps.predict and tfmp.serving.predictors: training's preprocessing, top-k with class names, refusals.
 
 One tiny seed_cnn run (16x16 shapes) and its float16 .tflite export; the app runs twice in a
 fresh process (a good pair of images, and a pair with one undecodable file).
@@ -11,10 +11,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import run_python
-from tfmp import data, export, inference, models
+
+from tfmp import models
+from tfmp.classification import data
 from tfmp.errors import UsageError
+from tfmp.serving import export
+from tfmp.serving import predictors as inference
 
 pytestmark = pytest.mark.slow  # fresh processes
 IMAGE_SIZE = 16
@@ -41,8 +44,14 @@ def run(tmp_path_factory):
     broken = root / "broken.png"
     broken.write_text("not an image")
     export.export_run(str(run_dir), formats=["tflite"], precision="float16", eval_batches=1)
-    return {"run_dir": str(run_dir), "model": model, "images": images.numpy(), "pngs": paths,
-            "jpg": str(bigger), "broken": str(broken)}
+    return {
+        "run_dir": str(run_dir),
+        "model": model,
+        "images": images.numpy(),
+        "pngs": paths,
+        "jpg": str(bigger),
+        "broken": str(broken),
+    }
 
 
 def test_predict_prints_top_k_with_class_names_one_json_line_per_image(run):
@@ -55,7 +64,8 @@ def test_predict_prints_top_k_with_class_names_one_json_line_per_image(run):
     for line, probabilities in zip(lines, expected):
         top = line["top_k"]
         assert len(top) == 3 and [entry["probability"] for entry in top] == sorted(
-            [entry["probability"] for entry in top], reverse=True)
+            [entry["probability"] for entry in top], reverse=True
+        )
         assert top[0]["class"] == int(np.argmax(probabilities))
         assert top[0]["name"] == data.SHAPES_CLASS_NAMES[top[0]["class"]]
         assert abs(top[0]["probability"] - probabilities.max()) < 1e-2
@@ -88,11 +98,17 @@ def test_tflite_export_predicts_like_the_run_with_its_own_metadata(run):
     assert [entry["class"] for entry in top] == list(np.argsort(-expected[0])[:2])
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda root: root / "missing", "does not exist"),
-    (lambda root: root, "holds no model"),
-    (lambda root: (root / "notes.txt").write_text("x") and root / "notes.txt", "neither .tflite nor .keras"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda root: root / "missing", "does not exist"),
+        (lambda root: root, "holds no model"),
+        (
+            lambda root: (root / "notes.txt").write_text("x") and root / "notes.txt",
+            "neither .tflite nor .keras",
+        ),
+    ],
+)
 def test_loading_something_that_is_not_a_model_is_one_usage_error(tmp_path, make, message):
     with pytest.raises(UsageError, match=message):
         inference.load(str(make(tmp_path)))
@@ -106,7 +122,7 @@ def test_the_parent_of_per_precision_exports_asks_which_one(run):
 def test_predict_on_a_detector_run_prints_detections_and_writes_the_png(tmp_path):
     """apps.predict delegates a detector run to the detection predict mode."""
     from tfmp.detection import shapes
-    from tfmp.models.retinanet import build_detector
+    from tfmp.detection.retinanet import build_detector
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -117,13 +133,25 @@ def test_predict_on_a_detector_run_prints_detections_and_writes_the_png(tmp_path
     model.save(run_dir / "model.keras")
     (run_dir / "flags.txt").write_text("--model=retinanet_tiny\n--dataset=shapes\n--image_size=64\n")
     image = shapes.draw_scene(tf.constant([1, 2], tf.int64), 48)[0]  # not the input size: fit + pad
-    (tmp_path / "scene.png").write_bytes(tf.io.encode_png(tf.image.convert_image_dtype(image, tf.uint8)).numpy())
-    result = run_python(["-m", "apps.predict", f"--model={run_dir}", f"--output_dir={tmp_path / 'out'}",
-                         "--score_threshold=0.3", str(tmp_path / "scene.png")])
+    (tmp_path / "scene.png").write_bytes(
+        tf.io.encode_png(tf.image.convert_image_dtype(image, tf.uint8)).numpy()
+    )
+    result = run_python(
+        [
+            "-m",
+            "apps.predict",
+            f"--model={run_dir}",
+            f"--output_dir={tmp_path / 'out'}",
+            "--score_threshold=0.3",
+            str(tmp_path / "scene.png"),
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1 and lines[0]["image"] == str(tmp_path / "scene.png")
-    assert lines[0]["png"] == str(tmp_path / "out" / "scene.detections.png") and os.path.isfile(lines[0]["png"])
+    assert lines[0]["png"] == str(tmp_path / "out" / "scene.detections.png") and os.path.isfile(
+        lines[0]["png"]
+    )
     assert lines[0]["detections"], "a 0.5-score head must leave detections above 0.3"
     for detection in lines[0]["detections"]:
         assert detection["score"] >= 0.3 and detection["name"] == shapes.CLASS_NAMES[detection["class"]]

@@ -17,8 +17,9 @@ def _model(dtype=None, constraint=None, name="tiny"):
     inputs = keras.Input(SHAPE, name=f"{name}_images")
     features = keras.layers.Conv2D(4, 3, activation="relu", dtype=dtype, name=f"{name}_conv")(inputs)
     features = keras.layers.Flatten(dtype=dtype, name=f"{name}_flatten")(features)
-    features = keras.layers.Dense(16, activation="relu", kernel_constraint=constraint, dtype=dtype,
-                                  name=f"{name}_dense")(features)
+    features = keras.layers.Dense(
+        16, activation="relu", kernel_constraint=constraint, dtype=dtype, name=f"{name}_dense"
+    )(features)
     outputs = keras.layers.Dense(3, activation="softmax", dtype="float32", name=f"{name}_logits")(features)
     return keras.Model(inputs, outputs, name=name)
 
@@ -55,12 +56,15 @@ def test_constant_schedule_and_factory():
     assert isinstance(pruning.make_schedule("polynomial", 0.5, 0, 8, 2), pruning.PolynomialSchedule)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (dict(target_sparsity=1.0, begin_step=0, end_step=10), "must be in [0, 1)"),
-    (dict(target_sparsity=-0.1, begin_step=0, end_step=10), "must be in [0, 1)"),
-    (dict(target_sparsity=0.5, begin_step=10, end_step=5), "before begin_step"),
-    (dict(target_sparsity=0.5, begin_step=0, end_step=10, every=0), "every=0"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(target_sparsity=1.0, begin_step=0, end_step=10), "must be in [0, 1)"),
+        (dict(target_sparsity=-0.1, begin_step=0, end_step=10), "must be in [0, 1)"),
+        (dict(target_sparsity=0.5, begin_step=10, end_step=5), "before begin_step"),
+        (dict(target_sparsity=0.5, begin_step=0, end_step=10, every=0), "every=0"),
+    ],
+)
 def test_bad_schedules_are_usage_errors(arguments, message):
     with pytest.raises(UsageError, match=message.replace("[", r"\[").replace(")", r"\)")):
         pruning.PolynomialSchedule(**arguments)
@@ -97,7 +101,9 @@ def test_mixed_float16_two_replicas_keep_pruned_weights_zero_under_momentum(mirr
     schedule = pruning.PolynomialSchedule(target_sparsity=0.75, begin_step=2, end_step=10, every=4)
     with mirrored.scope():
         model = _model(dtype="mixed_float16")
-        optimizer = precision.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=1024.0)
+        optimizer = precision.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=1024.0
+        )
         model.compile(optimizer, "sparse_categorical_crossentropy", jit_compile=False)
         pruner = pruning.Pruner(model, schedule)
     callback = pruning.PruningCallback(pruner)
@@ -190,7 +196,9 @@ def test_strip_gives_a_plain_model_with_the_same_outputs_and_the_users_constrain
     pruner = pruning.Pruner(model, pruning.ConstantSchedule(0.5, 0, 10, 1))
     pruner.update(0)
     constraint = model.get_layer("tiny_dense").kernel.constraint
-    assert isinstance(constraint, pruning.MaskConstraint) and isinstance(constraint.inner, keras.constraints.NonNeg)
+    assert isinstance(constraint, pruning.MaskConstraint) and isinstance(
+        constraint.inner, keras.constraints.NonNeg
+    )
     # Composition: the user's constraint, then the mask.
     model.compile(keras.optimizers.SGD(0.5, momentum=0.9), "sparse_categorical_crossentropy")
     model.fit(*_data(), batch_size=GLOBAL_BATCH, epochs=1, steps_per_epoch=3, verbose=0)
@@ -212,7 +220,9 @@ def test_describe_for_the_run_card():
     pruner = pruning.Pruner(_model(), pruning.PolynomialSchedule(0.8, 0, 100, 10))
     card = pruner.describe()
     assert card["pruning"].startswith("polynomial") and card["pruning target"] == 0.8
-    assert card["pruned layers"].startswith("tiny_conv, tiny_dense") and card["unpruned layers"] == "tiny_logits"
+    assert (
+        card["pruned layers"].startswith("tiny_conv, tiny_dense") and card["unpruned layers"] == "tiny_logits"
+    )
     assert card["pruning sparsity"] == 0.0
 
 

@@ -8,28 +8,49 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import checkpoint, models, precision
+from tfmp import models, precision
 from tfmp.errors import TrainingDiverged, UsageError
-from tfmp.train import TrainConfig, train_and_evaluate
+from tfmp.training import checkpoint
+from tfmp.training.run import TrainConfig, train_and_evaluate
 
 
 def _config(model_dir, **overrides):
-    values = dict(model="lenet", dataset="digits", global_batch_size=32, steps=6, steps_per_epoch=3,
-                  log_every=2, model_dir=str(model_dir), strategy="default", verbose=False)
+    values = dict(
+        model="lenet",
+        dataset="digits",
+        global_batch_size=32,
+        steps=6,
+        steps_per_epoch=3,
+        log_every=2,
+        model_dir=str(model_dir),
+        strategy="default",
+        verbose=False,
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
 
 def test_run_writes_every_output(tmp_path):
-    summary = train_and_evaluate(_config(tmp_path, strategy="mirrored", precision="mixed_bfloat16",
-                                         steps_per_execution=2), resolved_flags="--model=lenet\n")
+    summary = train_and_evaluate(
+        _config(tmp_path, strategy="mirrored", precision="mixed_bfloat16", steps_per_execution=2),
+        resolved_flags="--model=lenet\n",
+    )
     assert summary["steps"] == 6 and summary["replicas"] == 2 and summary["precision"] == "mixed_bfloat16"
     assert 0.0 <= summary["eval_accuracy"] <= 1.0
     card = json.load(open(tmp_path / "run_card.json"))
     assert card["compute dtype"] == "bfloat16" and card["variable dtype"] == "float32"
     assert card["head dtype"] == "float32" and card["per-replica batch"] == 16
-    for key in ("loss scale", "strategy", "replicas", "global batch", "learning rate", "xla",
-                "shard policy", "versions", "devices"):
+    for key in (
+        "loss scale",
+        "strategy",
+        "replicas",
+        "global batch",
+        "learning rate",
+        "xla",
+        "shard policy",
+        "versions",
+        "devices",
+    ):
         assert key in card
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     train = [r for r in records if r["split"] == "train"]
@@ -48,8 +69,7 @@ def test_resume_continues_at_the_saved_step(tmp_path):
     assert summary["steps"] == 6
     card = json.load(open(tmp_path / "run_card.json"))
     assert card["steps"].endswith("from step 3")
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")
-             if '"train"' in line]
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl") if '"train"' in line]
     assert steps == [2, 3, 5, 6]  # nothing repeated, nothing skipped
 
 
@@ -82,31 +102,38 @@ def test_no_readable_checkpoint_is_a_usage_error(tmp_path):
     for name in os.listdir(tmp_path / checkpoint.SUBDIR):
         if name.endswith(".index"):
             (tmp_path / checkpoint.SUBDIR / name).write_bytes(b"garbage")
-    with pytest.raises(UsageError, match="no checkpoint in .* can be restored.*ckpt-6.*ckpt-3.*fresh --model_dir"):
+    with pytest.raises(
+        UsageError, match="no checkpoint in .* can be restored.*ckpt-6.*ckpt-3.*fresh --model_dir"
+    ):
         train_and_evaluate(_config(tmp_path, steps=9))
 
 
 def test_resume_with_another_global_batch_is_refused_naming_both(tmp_path):
     train_and_evaluate(_config(tmp_path, steps=3))
-    with pytest.raises(UsageError, match="trained with global batch 32, this run uses 16.*--global_batch_size=32"):
+    with pytest.raises(
+        UsageError, match="trained with global batch 32, this run uses 16.*--global_batch_size=32"
+    ):
         train_and_evaluate(_config(tmp_path, steps=6, global_batch_size=16))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"model": "resnet9"}, "unknown model 'resnet9'; choose one of: lenet"),
-    ({"dataset": "imagenette"}, "unknown dataset 'imagenette'"),
-    ({"precision": "fp8"}, "unknown precision 'fp8'"),
-    ({"strategy": "horovod"}, "unknown strategy 'horovod'"),
-    ({"optimizer": "lamb"}, "unknown optimizer 'lamb'"),
-    ({"xla": "maybe"}, "unknown --xla value 'maybe'"),
-    ({"strategy": "mirrored", "global_batch_size": 33}, "global batch 33 is not divisible by 2 replicas"),
-    ({"precision": "mixed_bfloat16", "loss_scale": "dynamic"}, "needs --precision=mixed_float16"),
-    ({"loss_scale": "huge"}, "neither auto, dynamic, none nor a number"),
-    ({"global_batch_size": 0}, "global_batch_size=0 must be positive"),
-    ({"lr_scaling": "cubic"}, "unknown lr scaling rule 'cubic'"),
-    ({"model": "lenet", "image_size": 12, "dataset": "shapes"}, "needs images of at least 16x16"),
-    ({"cpu_replicas": -1}, "--cpu_replicas=-1 must be 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model": "resnet9"}, "unknown model 'resnet9'; choose one of: lenet"),
+        ({"dataset": "imagenette"}, "unknown dataset 'imagenette'"),
+        ({"precision": "fp8"}, "unknown precision 'fp8'"),
+        ({"strategy": "horovod"}, "unknown strategy 'horovod'"),
+        ({"optimizer": "lamb"}, "unknown optimizer 'lamb'"),
+        ({"xla": "maybe"}, "unknown --xla value 'maybe'"),
+        ({"strategy": "mirrored", "global_batch_size": 33}, "global batch 33 is not divisible by 2 replicas"),
+        ({"precision": "mixed_bfloat16", "loss_scale": "dynamic"}, "needs --precision=mixed_float16"),
+        ({"loss_scale": "huge"}, "neither auto, dynamic, none nor a number"),
+        ({"global_batch_size": 0}, "global_batch_size=0 must be positive"),
+        ({"lr_scaling": "cubic"}, "unknown lr scaling rule 'cubic'"),
+        ({"model": "lenet", "image_size": 12, "dataset": "shapes"}, "needs images of at least 16x16"),
+        ({"cpu_replicas": -1}, "--cpu_replicas=-1 must be 0"),
+    ],
+)
 def test_user_errors_leave_nothing_behind(tmp_path, overrides, message):
     model_dir = tmp_path / "run"
     with pytest.raises(UsageError, match=message) as error:
@@ -120,25 +147,46 @@ def test_mixed_float16_matches_float32_accuracy(tmp_path):
     """Loss scaling works: float16 training reaches float32's accuracy (margin 0.03)."""
     accuracy = {}
     for policy in ("float32", "mixed_float16"):
-        summary = train_and_evaluate(_config(tmp_path / policy, model="mnist_mlp", precision=policy,
-                                             global_batch_size=128, steps=300, steps_per_epoch=300,
-                                             steps_per_execution=50, log_every=300))
+        summary = train_and_evaluate(
+            _config(
+                tmp_path / policy,
+                model="mnist_mlp",
+                precision=policy,
+                global_batch_size=128,
+                steps=300,
+                steps_per_epoch=300,
+                steps_per_execution=50,
+                log_every=300,
+            )
+        )
         accuracy[policy] = summary["eval_accuracy"]
     assert accuracy["float32"] > 0.9
     assert abs(accuracy["float32"] - accuracy["mixed_float16"]) < 0.03, accuracy
 
 
 def _kernel_zeros(model):
-    return {layer.name: float(np.mean(layer.kernel.numpy() == 0)) for layer in model.layers
-            if hasattr(layer, "kernel")}
+    return {
+        layer.name: float(np.mean(layer.kernel.numpy() == 0))
+        for layer in model.layers
+        if hasattr(layer, "kernel")
+    }
 
 
 def test_pruned_run_under_mixed_float16_on_two_replicas_keeps_zeros_and_resumes(tmp_path):
     """Target sparsity on schedule, zeros that momentum cannot revive, the same masks on both
     replicas, the head left dense, and masks restored on resume."""
-    pruned = dict(strategy="mirrored", precision="mixed_float16", optimizer="sgd", learning_rate=0.05,
-                  prune_sparsity=0.75, prune_begin_step=0, prune_end_step=4, prune_every=2,
-                  steps_per_epoch=4, log_every=4)
+    pruned = dict(
+        strategy="mirrored",
+        precision="mixed_float16",
+        optimizer="sgd",
+        learning_rate=0.05,
+        prune_sparsity=0.75,
+        prune_begin_step=0,
+        prune_end_step=4,
+        prune_every=2,
+        steps_per_epoch=4,
+        log_every=4,
+    )
     first = train_and_evaluate(_config(tmp_path, steps=4, **pruned))
     assert first["sparsity"] == pytest.approx(0.75, abs=0.01)
     summary = train_and_evaluate(_config(tmp_path, steps=12, **pruned))  # resumes at step 4
@@ -154,9 +202,10 @@ def test_pruned_run_under_mixed_float16_on_two_replicas_keeps_zeros_and_resumes(
 
 
 def test_pruning_keeps_replicas_identical_after_momentum_steps(mirrored):
-    from tfmp import data, pruning
-    from tfmp.engine import Engine
-    from tfmp.classification import compile_classifier
+    from tfmp import pruning
+    from tfmp.classification import data
+    from tfmp.classification.task import compile_classifier
+    from tfmp.training.engine import Engine
 
     keras.utils.set_random_seed(0)
     with mirrored.scope():
@@ -168,7 +217,8 @@ def test_pruning_keeps_replicas_identical_after_momentum_steps(mirrored):
     engine = Engine(mirrored, model, optimizer)
     pruner.update(0)
     train = mirrored.distribute_datasets_from_function(
-        lambda context: data.load("digits", "train", 32, input_context=context)[0])
+        lambda context: data.load("digits", "train", 32, input_context=context)[0]
+    )
     engine.train(iter(train), 6)  # six momentum steps after the last mask update
     for layer, mask in zip(pruner.layers, pruner.masks):
         masks = [m.numpy() for m in mask.value.values]
@@ -186,11 +236,17 @@ def test_pipelined_run_reports_its_stages_and_trains(tmp_path):
     assert keras.models.load_model(tmp_path / "model.keras").count_params() > 0  # saved as one model
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "mirrored", "pipeline_stages": 2}, "replicas cannot also use them"),
-    ({"pipeline_stages": 2, "micro_batches": 5}, "--micro_batches=5 does not divide the per-replica batch 32"),
-    ({"pipeline_stages": 3}, "3 devices"),  # in-process the CPU is already split in 2
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"strategy": "mirrored", "pipeline_stages": 2}, "replicas cannot also use them"),
+        (
+            {"pipeline_stages": 2, "micro_batches": 5},
+            "--micro_batches=5 does not divide the per-replica batch 32",
+        ),
+        ({"pipeline_stages": 3}, "3 devices"),  # in-process the CPU is already split in 2
+    ],
+)
 def test_impossible_pipelines_are_refused_before_anything_is_written(tmp_path, overrides, message):
     with pytest.raises(UsageError, match=message) as error:
         train_and_evaluate(_config(tmp_path / "run", **{"strategy": "auto", **overrides}))

@@ -13,7 +13,7 @@ __all__ = ["fit", "evaluate"]
 
 def __getattr__(name):
     if name in __all__:
-        from tfmp import fitting
+        from tfmp.training import fitting
 
         return getattr(fitting, name)
     raise AttributeError(f"module 'tfmp' has no attribute {name!r}")

@@ -41,19 +41,25 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return self.peak * warmup * 0.5 * (1.0 + ops.cos(math.pi * progress))
 
     def get_config(self):
-        return {"peak": self.peak, "total_steps": self.total_steps,
-                "warmup_steps": self.warmup_steps, "decay": self.decay}
+        return {
+            "peak": self.peak,
+            "total_steps": self.total_steps,
+            "warmup_steps": self.warmup_steps,
+            "decay": self.decay,
+        }
 
 
-def schedule(learning_rate: float, total_steps: int, warmup_steps: int = 0,
-             decay: str = "constant") -> WarmupSchedule:
+def schedule(
+    learning_rate: float, total_steps: int, warmup_steps: int = 0, decay: str = "constant"
+) -> WarmupSchedule:
     if decay not in DECAYS:
         raise unknown("learning-rate decay", decay, DECAYS)
     if not learning_rate > 0:
         raise UsageError(f"learning rate {learning_rate} must be positive, e.g. 0.001")
     if warmup_steps < 0 or warmup_steps > total_steps:
-        raise UsageError(f"warmup of {warmup_steps} steps must be between 0 and the "
-                         f"{total_steps} training steps")
+        raise UsageError(
+            f"warmup of {warmup_steps} steps must be between 0 and the {total_steps} training steps"
+        )
     return WarmupSchedule(learning_rate, total_steps, warmup_steps, decay)
 
 
@@ -63,9 +69,15 @@ def _sgd(learning_rate, weight_decay):
 
 OPTIMIZERS = {
     "sgd": _sgd,
-    "adam": lambda learning_rate, weight_decay: keras.optimizers.Adam(learning_rate, weight_decay=weight_decay),
-    "adamw": lambda learning_rate, weight_decay: keras.optimizers.AdamW(learning_rate, weight_decay=weight_decay or 1e-4),
-    "rmsprop": lambda learning_rate, weight_decay: keras.optimizers.RMSprop(learning_rate, weight_decay=weight_decay),
+    "adam": lambda learning_rate, weight_decay: keras.optimizers.Adam(
+        learning_rate, weight_decay=weight_decay
+    ),
+    "adamw": lambda learning_rate, weight_decay: keras.optimizers.AdamW(
+        learning_rate, weight_decay=weight_decay or 1e-4
+    ),
+    "rmsprop": lambda learning_rate, weight_decay: keras.optimizers.RMSprop(
+        learning_rate, weight_decay=weight_decay
+    ),
 }
 
 

@@ -89,20 +89,32 @@ def resolve(precision: str, hardware: Hardware | None = None) -> PolicyChoice:
         return PolicyChoice("float32", "auto: no fast half-precision unit found")
     if precision == "mixed":
         if capabilities:
-            warning = None if tensor_core_gpus else (
-                f"mixed_float16 on GPUs with compute capability {min(capabilities)} (< 7.0): "
-                "no Tensor Cores, so expect no speed-up, only the memory saving")
+            warning = (
+                None
+                if tensor_core_gpus
+                else (
+                    f"mixed_float16 on GPUs with compute capability {min(capabilities)} (< 7.0): "
+                    "no Tensor Cores, so expect no speed-up, only the memory saving"
+                )
+            )
             return PolicyChoice("mixed_float16", "--mixed on GPU", warning)
         if hardware.has_tpu:
             return PolicyChoice("mixed_bfloat16", "--mixed on TPU")
-        warning = None if hardware.cpu_fast_bfloat16 else (
-            "mixed_bfloat16 on a CPU without AVX512-BF16/AMX: bfloat16 math is emulated and "
-            "typically several times slower than float32 here; use --precision=auto for speed")
+        warning = (
+            None
+            if hardware.cpu_fast_bfloat16
+            else (
+                "mixed_bfloat16 on a CPU without AVX512-BF16/AMX: bfloat16 math is emulated and "
+                "typically several times slower than float32 here; use --precision=auto for speed"
+            )
+        )
         return PolicyChoice("mixed_bfloat16", "--mixed on CPU", warning)
     warning = None
     if precision == "mixed_float16" and not capabilities:
-        warning = ("mixed_float16 on a CPU: float16 kernels are emulated and much slower than "
-                   "float32 (4-6x slower measured for a small CNN); use it here only to test the GPU path")
+        warning = (
+            "mixed_float16 on a CPU: float16 kernels are emulated and much slower than "
+            "float32 (4-6x slower measured for a small CNN); use it here only to test the GPU path"
+        )
     return PolicyChoice(precision, "requested", warning)
 
 
@@ -139,16 +151,21 @@ def parse_loss_scale(loss_scale: str) -> str | float | None:
     except ValueError:
         raise UsageError(
             f"--loss_scale={loss_scale!r} is neither auto, dynamic, none nor a number; "
-            "use e.g. --loss_scale=dynamic or --loss_scale=1024") from None
+            "use e.g. --loss_scale=dynamic or --loss_scale=1024"
+        ) from None
     if not value > 0 or value == float("inf"):
         raise UsageError(f"--loss_scale={loss_scale} must be a positive finite number, e.g. 1024")
     return value
 
 
-def wrap_optimizer(optimizer: keras.optimizers.Optimizer, policy: str,
-                   loss_scale: str | float | None = "auto", *,
-                   initial_scale: float = DEFAULT_INITIAL_SCALE,
-                   growth_steps: int = DEFAULT_GROWTH_STEPS) -> keras.optimizers.Optimizer:
+def wrap_optimizer(
+    optimizer: keras.optimizers.Optimizer,
+    policy: str,
+    loss_scale: str | float | None = "auto",
+    *,
+    initial_scale: float = DEFAULT_INITIAL_SCALE,
+    growth_steps: int = DEFAULT_GROWTH_STEPS,
+) -> keras.optimizers.Optimizer:
     """Adds the loss scaling `policy` needs; `loss_scale` as from `parse_loss_scale`.
 
     "auto" means dynamic for mixed_float16 and nothing otherwise. A fixed number uses Keras 3's
@@ -159,22 +176,24 @@ def wrap_optimizer(optimizer: keras.optimizers.Optimizer, policy: str,
         if loss_scale not in ("auto", None):
             raise UsageError(
                 f"--loss_scale={loss_scale} needs --precision=mixed_float16; {policy} has "
-                "float32's exponent range and needs no loss scaling (drop --loss_scale)")
+                "float32's exponent range and needs no loss scaling (drop --loss_scale)"
+            )
         return optimizer
     if loss_scale is None:
         logging.warning("mixed_float16 without loss scaling: small gradients may underflow")
         return optimizer
     if loss_scale in ("auto", "dynamic"):
-        return LossScaleOptimizer(optimizer, initial_scale=initial_scale,
-                                  dynamic_growth_steps=growth_steps)
+        return LossScaleOptimizer(optimizer, initial_scale=initial_scale, dynamic_growth_steps=growth_steps)
     optimizer.loss_scale_factor = float(loss_scale)
     return optimizer
 
 
 def loss_scale_mode(optimizer: keras.optimizers.Optimizer) -> str:
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return f"dynamic (initial {optimizer.initial_scale:g}, x2 every " \
-               f"{optimizer.dynamic_growth_steps} finite steps, /2 on overflow)"
+        return (
+            f"dynamic (initial {optimizer.initial_scale:g}, x2 every "
+            f"{optimizer.dynamic_growth_steps} finite steps, /2 on overflow)"
+        )
     if optimizer.loss_scale_factor:
         return f"fixed {optimizer.loss_scale_factor:g}"
     return "none"
@@ -191,12 +210,16 @@ def current_loss_scale(optimizer: keras.optimizers.Optimizer) -> float:
 
 def model_compute_dtypes(model: keras.Model) -> set[str]:
     """The compute dtypes of a model's layers (a mixed_float16 model has float16 and float32)."""
-    return {layer.dtype_policy.compute_dtype for layer in model._flatten_layers(include_self=False)
-            if getattr(layer, "dtype_policy", None) is not None and layer.weights}
+    return {
+        layer.dtype_policy.compute_dtype
+        for layer in model._flatten_layers(include_self=False)
+        if getattr(layer, "dtype_policy", None) is not None and layer.weights
+    }
 
 
-def ensure_loss_scaling(model: keras.Model, strategy: tf.distribute.Strategy
-                        ) -> tuple[keras.optimizers.Optimizer, str | None]:
+def ensure_loss_scaling(
+    model: keras.Model, strategy: tf.distribute.Strategy
+) -> tuple[keras.optimizers.Optimizer, str | None]:
     """The optimizer a user's compiled model should train with under tfmp, and what changed.
 
     A model that computes in float16 needs loss scaling: a plain optimizer gets tfmp's
@@ -210,16 +233,24 @@ def ensure_loss_scaling(model: keras.Model, strategy: tf.distribute.Strategy
         return optimizer, None
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         with strategy.scope():
-            replaced = LossScaleOptimizer(optimizer.inner_optimizer, initial_scale=optimizer.initial_scale,
-                                          dynamic_growth_steps=optimizer.dynamic_growth_steps)
-        return replaced, ("replaced Keras' LossScaleOptimizer by tfmp.precision.LossScaleOptimizer "
-                          f"(same initial scale {optimizer.initial_scale:g}, growth every "
-                          f"{optimizer.dynamic_growth_steps} steps): Keras skips an overflow only when "
-                          "replica 0 sees it")
+            replaced = LossScaleOptimizer(
+                optimizer.inner_optimizer,
+                initial_scale=optimizer.initial_scale,
+                dynamic_growth_steps=optimizer.dynamic_growth_steps,
+            )
+        return replaced, (
+            "replaced Keras' LossScaleOptimizer by tfmp.precision.LossScaleOptimizer "
+            f"(same initial scale {optimizer.initial_scale:g}, growth every "
+            f"{optimizer.dynamic_growth_steps} steps): Keras skips an overflow only when "
+            "replica 0 sees it"
+        )
     if "float16" in model_compute_dtypes(model) and not optimizer.loss_scale_factor:
         with strategy.scope():
-            wrapped = LossScaleOptimizer(optimizer, initial_scale=DEFAULT_INITIAL_SCALE,
-                                         dynamic_growth_steps=DEFAULT_GROWTH_STEPS)
-        return wrapped, ("the model computes in float16 and its optimizer had no loss scaling: "
-                         "wrapped it in tfmp.precision.LossScaleOptimizer (dynamic)")
+            wrapped = LossScaleOptimizer(
+                optimizer, initial_scale=DEFAULT_INITIAL_SCALE, dynamic_growth_steps=DEFAULT_GROWTH_STEPS
+            )
+        return wrapped, (
+            "the model computes in float16 and its optimizer had no loss scaling: "
+            "wrapped it in tfmp.precision.LossScaleOptimizer (dynamic)"
+        )
     return optimizer, None

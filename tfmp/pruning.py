@@ -39,9 +39,14 @@ from tfmp.errors import UsageError, unknown
 
 # Layers whose `kernel` is pruned. Depthwise kernels are tiny and pruning them hurts accuracy most.
 PRUNABLE_LAYERS = (
-    keras.layers.Dense, keras.layers.EinsumDense,
-    keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
-    keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose,
+    keras.layers.Dense,
+    keras.layers.EinsumDense,
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+    keras.layers.Conv1DTranspose,
+    keras.layers.Conv2DTranspose,
+    keras.layers.Conv3DTranspose,
 )
 SCHEDULES = ("polynomial", "constant")
 
@@ -61,8 +66,10 @@ class ConstantSchedule:
         if self.begin_step < 0:
             raise UsageError(f"prune begin_step {self.begin_step} must be >= 0")
         if self.end_step < self.begin_step:
-            raise UsageError(f"prune end_step {self.end_step} is before begin_step {self.begin_step}; "
-                             "set end_step >= begin_step")
+            raise UsageError(
+                f"prune end_step {self.end_step} is before begin_step {self.begin_step}; "
+                "set end_step >= begin_step"
+            )
         if self.every < 1:
             raise UsageError(f"prune every={self.every} must be >= 1 (steps between mask updates)")
 
@@ -76,12 +83,15 @@ class ConstantSchedule:
             return None
         if step <= self.begin_step:
             return self.begin_step
-        return min(self.begin_step + math.ceil((step - self.begin_step) / self.every) * self.every,
-                   self.end_step)
+        return min(
+            self.begin_step + math.ceil((step - self.begin_step) / self.every) * self.every, self.end_step
+        )
 
     def describe(self) -> str:
-        return (f"constant {self.target_sparsity:g} from step {self.begin_step} to {self.end_step}, "
-                f"masks every {self.every} steps")
+        return (
+            f"constant {self.target_sparsity:g} from step {self.begin_step} to {self.end_step}, "
+            f"masks every {self.every} steps"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +108,10 @@ class PolynomialSchedule(ConstantSchedule):
     def __post_init__(self):
         super().__post_init__()
         if not 0.0 <= self.initial_sparsity <= self.target_sparsity:
-            raise UsageError(f"prune initial_sparsity {self.initial_sparsity} must be in "
-                             f"[0, target_sparsity={self.target_sparsity}]")
+            raise UsageError(
+                f"prune initial_sparsity {self.initial_sparsity} must be in "
+                f"[0, target_sparsity={self.target_sparsity}]"
+            )
         if self.exponent <= 0:
             raise UsageError(f"prune exponent {self.exponent} must be > 0 (Zhu & Gupta use 3)")
 
@@ -109,16 +121,21 @@ class PolynomialSchedule(ConstantSchedule):
         if step >= self.end_step:
             return self.target_sparsity
         remaining = 1.0 - (step - self.begin_step) / (self.end_step - self.begin_step)
-        return self.target_sparsity + (self.initial_sparsity - self.target_sparsity) * remaining**self.exponent
+        return (
+            self.target_sparsity + (self.initial_sparsity - self.target_sparsity) * remaining**self.exponent
+        )
 
     def describe(self) -> str:
-        return (f"polynomial (Zhu & Gupta, exponent {self.exponent:g}) {self.initial_sparsity:g} -> "
-                f"{self.target_sparsity:g} from step {self.begin_step} to {self.end_step}, "
-                f"masks every {self.every} steps")
+        return (
+            f"polynomial (Zhu & Gupta, exponent {self.exponent:g}) {self.initial_sparsity:g} -> "
+            f"{self.target_sparsity:g} from step {self.begin_step} to {self.end_step}, "
+            f"masks every {self.every} steps"
+        )
 
 
-def make_schedule(name: str, target_sparsity: float, begin_step: int, end_step: int,
-                  every: int) -> ConstantSchedule:
+def make_schedule(
+    name: str, target_sparsity: float, begin_step: int, end_step: int, every: int
+) -> ConstantSchedule:
     """The schedule a `--prune_schedule=polynomial|constant` flag names."""
     if name not in SCHEDULES:
         raise unknown("prune schedule", name, SCHEDULES)
@@ -147,22 +164,28 @@ def prunable_layers(model: keras.Model, skip_layers=(), include_head: bool = Fal
     """The layers `Pruner` prunes: Dense/Conv layers with a kernel, in model order, minus the last
     one (the classifier head, float32 in tfmp models) unless `include_head`, minus `skip_layers`."""
     skip_layers = (skip_layers,) if isinstance(skip_layers, str) else tuple(skip_layers)
-    candidates = [layer for layer in model._flatten_layers(include_self=False)
-                  if isinstance(layer, PRUNABLE_LAYERS)
-                  and isinstance(getattr(layer, "kernel", None), keras.Variable)]
+    candidates = [
+        layer
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, PRUNABLE_LAYERS) and isinstance(getattr(layer, "kernel", None), keras.Variable)
+    ]
     names = {layer.name for layer in model._flatten_layers(include_self=False)}
     missing = sorted(set(skip_layers) - names)
     if missing:
-        raise UsageError(f"skip_layers {missing} are not layers of model {model.name!r}; "
-                         f"its layers: {', '.join(sorted(names))}")
+        raise UsageError(
+            f"skip_layers {missing} are not layers of model {model.name!r}; "
+            f"its layers: {', '.join(sorted(names))}"
+        )
     if candidates and not include_head:
         candidates = candidates[:-1]
     skip = set(skip_layers)
     layers = [layer for layer in candidates if layer.name not in skip]
     if not layers:
-        raise UsageError(f"model {model.name!r} has no Dense/Conv kernel left to prune (head "
-                         f"{'included' if include_head else 'skipped'}, skip_layers={list(skip_layers)}); "
-                         "pass include_head=True or fewer skip_layers")
+        raise UsageError(
+            f"model {model.name!r} has no Dense/Conv kernel left to prune (head "
+            f"{'included' if include_head else 'skipped'}, skip_layers={list(skip_layers)}); "
+            "pass include_head=True or fewer skip_layers"
+        )
     return layers
 
 
@@ -202,26 +225,41 @@ class Pruner:
     constraint becomes part of the optimizer's compiled update.
     """
 
-    def __init__(self, model: keras.Model, schedule: ConstantSchedule, *, skip_layers=(),
-                 include_head: bool = False):
+    def __init__(
+        self, model: keras.Model, schedule: ConstantSchedule, *, skip_layers=(), include_head: bool = False
+    ):
         if not isinstance(schedule, ConstantSchedule):
-            raise UsageError(f"schedule {schedule!r} is not a pruning schedule; use "
-                             "pruning.PolynomialSchedule or pruning.ConstantSchedule")
+            raise UsageError(
+                f"schedule {schedule!r} is not a pruning schedule; use "
+                "pruning.PolynomialSchedule or pruning.ConstantSchedule"
+            )
         if not model.built:
-            raise UsageError(f"model {model.name!r} is not built; call it on a batch or give it an Input first")
+            raise UsageError(
+                f"model {model.name!r} is not built; call it on a batch or give it an Input first"
+            )
         self.model = model
         self.schedule = schedule
         self.layers = prunable_layers(model, skip_layers, include_head)
-        self.skipped = [layer.name for layer in model._flatten_layers(include_self=False)
-                        if isinstance(layer, PRUNABLE_LAYERS) and layer not in self.layers]
+        self.skipped = [
+            layer.name
+            for layer in model._flatten_layers(include_self=False)
+            if isinstance(layer, PRUNABLE_LAYERS) and layer not in self.layers
+        ]
         self.names = _unique_names(self.layers)
         for layer in self.layers:
             if isinstance(layer.kernel.constraint, MaskConstraint):
                 raise UsageError(f"layer {layer.name!r} is already pruned; make one Pruner per model")
         with _variable_scope(self.layers[0].kernel):
-            self.masks = [keras.Variable(initializer="ones", shape=layer.kernel.shape, dtype=layer.kernel.dtype,
-                                         trainable=False, name=f"{layer.name}_pruning_mask")
-                          for layer in self.layers]
+            self.masks = [
+                keras.Variable(
+                    initializer="ones",
+                    shape=layer.kernel.shape,
+                    dtype=layer.kernel.dtype,
+                    trainable=False,
+                    name=f"{layer.name}_pruning_mask",
+                )
+                for layer in self.layers
+            ]
         for layer, mask in zip(self.layers, self.masks):
             layer.kernel.constraint = MaskConstraint(mask, layer.kernel.constraint)
         self._checkpointed = _Masks(self.masks)
@@ -244,7 +282,9 @@ class Pruner:
         Returns the sparsity applied.
         """
         if tf.inside_function():
-            raise UsageError("Pruner.update runs on the host between training calls, not inside a tf.function")
+            raise UsageError(
+                "Pruner.update runs on the host between training calls, not inside a tf.function"
+            )
         sparsity = self.schedule.sparsity(step)
         for layer, mask in zip(self.layers, self.masks):
             weights = layer.kernel.numpy()
@@ -284,8 +324,10 @@ class Pruner:
 def _unique_names(layers) -> list[str]:
     # Nested models can repeat a layer name; the kernel's path is unique.
     names = [layer.name for layer in layers]
-    return [name if names.count(name) == 1 else layer.kernel.path.rsplit("/", 1)[0]
-            for name, layer in zip(names, layers)]
+    return [
+        name if names.count(name) == 1 else layer.kernel.path.rsplit("/", 1)[0]
+        for name, layer in zip(names, layers)
+    ]
 
 
 def _variable_scope(kernel: keras.Variable):
@@ -326,11 +368,15 @@ def strip(model: keras.Model) -> keras.Model:
     try:
         stripped = keras.models.clone_model(model)
     except Exception as error:  # noqa: BLE001 - clone_model raises many types for subclassed models
-        raise UsageError(f"cannot strip model {model.name!r}: keras.models.clone_model fails "
-                         f"({str(error).splitlines()[0][:200]}); give it a get_config/from_config") from None
+        raise UsageError(
+            f"cannot strip model {model.name!r}: keras.models.clone_model fails "
+            f"({str(error).splitlines()[0][:200]}); give it a get_config/from_config"
+        ) from None
     if len(stripped.weights) != len(model.weights):
-        raise UsageError(f"cannot strip model {model.name!r}: its clone has {len(stripped.weights)} "
-                         f"weights, the model {len(model.weights)}")
+        raise UsageError(
+            f"cannot strip model {model.name!r}: its clone has {len(stripped.weights)} "
+            f"weights, the model {len(model.weights)}"
+        )
     values = []
     for weight in model.weights:
         value = weight.numpy()
@@ -349,12 +395,18 @@ def gzip_size(path: str) -> int:
     Compare a pruned model's saved file with the dense one's: zeros compress, random floats don't.
     """
     if os.path.isdir(path):
-        return sum(gzip_size(os.path.join(root, name))
-                   for root, _, names in sorted(os.walk(path)) for name in sorted(names))
+        return sum(
+            gzip_size(os.path.join(root, name))
+            for root, _, names in sorted(os.walk(path))
+            for name in sorted(names)
+        )
     if not os.path.isfile(path):
         raise UsageError(f"gzip_size: {path!r} is not a file or directory")
     counter = _ByteCounter()
-    with open(path, "rb") as source, gzip.GzipFile(fileobj=counter, mode="wb", compresslevel=9, mtime=0) as sink:
+    with (
+        open(path, "rb") as source,
+        gzip.GzipFile(fileobj=counter, mode="wb", compresslevel=9, mtime=0) as sink,
+    ):
         shutil.copyfileobj(source, sink, length=1 << 20)
     return counter.size
 

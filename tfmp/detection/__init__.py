@@ -1,6 +1,6 @@
 """Object detection for tfmp: RetinaNet's anchors, data, losses, COCO metrics and drawings.
 
-Modules (the model builders are in `tfmp.models.retinanet`):
+Modules (the model builders are in `tfmp.detection.retinanet`):
 
 * `boxes`       anchors, IoU, delta encoding, anchor matching, decoding + NMS (float32)
 * `shapes`      the built-in drawn scenes (several coloured shapes per image)
@@ -13,7 +13,7 @@ Modules (the model builders are in `tfmp.models.retinanet`):
 A whole training run with plain Keras (what `apps.detect` does with its engine)::
 
     from tfmp.detection import DEFAULTS, boxes, data, evaluation, losses
-    from tfmp.models.retinanet import anchor_config, build_detector
+    from tfmp.detection.retinanet import anchor_config, build_detector
 
     size = DEFAULTS["image_size"]
     anchors = boxes.generate_anchors(size, anchor_config(DEFAULTS["model"]))

@@ -74,36 +74,46 @@ def feature_size(image_size: int, level: int) -> int:
 def generate_anchors(image_size: int, config: AnchorConfig = AnchorConfig()) -> tf.Tensor:
     """All anchors of a square `image_size` image, [A, 4] float32 xyxy (see module docstring)."""
     if not isinstance(image_size, int) or image_size < 2 ** max(config.levels, default=0):
-        raise UsageError(f"bad detection image_size {image_size!r}; use an integer of at least "
-                         f"{2 ** max(config.levels, default=0)} for levels {config.levels}")
+        raise UsageError(
+            f"bad detection image_size {image_size!r}; use an integer of at least "
+            f"{2 ** max(config.levels, default=0)} for levels {config.levels}"
+        )
     per_level = []
     for level in config.levels:
         stride, cells = 2.0**level, feature_size(image_size, level)
         # Anchor shapes of one location: ratio-major, matching the head's channel order.
-        shapes = [(config.size * stride * scale * math.sqrt(ratio),
-                   config.size * stride * scale / math.sqrt(ratio))
-                  for ratio in config.ratios for scale in config.scales]
+        shapes = [
+            (config.size * stride * scale * math.sqrt(ratio), config.size * stride * scale / math.sqrt(ratio))
+            for ratio in config.ratios
+            for scale in config.scales
+        ]
         half = np.array(shapes, np.float64)[None, None] / 2  # [1, 1, K, (h, w)]
         centres = (np.arange(cells) + 0.5) * stride
         cy, cx = np.meshgrid(centres, centres, indexing="ij")
         cy, cx = cy[..., None], cx[..., None]
-        level_anchors = np.stack([cx - half[..., 1], cy - half[..., 0],
-                                  cx + half[..., 1], cy + half[..., 0]], axis=-1)
+        level_anchors = np.stack(
+            [cx - half[..., 1], cy - half[..., 0], cx + half[..., 1], cy + half[..., 0]], axis=-1
+        )
         per_level.append(level_anchors.reshape(-1, 4))
     return tf.constant(np.concatenate(per_level), tf.float32)
 
 
 def compute_iou(boxes1, boxes2) -> tf.Tensor:
     """IoU of every box in `boxes1` [..., N, 4] with every box in `boxes2` [..., M, 4] (xyxy)."""
-    return bounding_boxes.compute_iou(tf.cast(boxes1, tf.float32), tf.cast(boxes2, tf.float32),
-                                      bounding_box_format="xyxy")
+    return bounding_boxes.compute_iou(
+        tf.cast(boxes1, tf.float32), tf.cast(boxes2, tf.float32), bounding_box_format="xyxy"
+    )
 
 
 def encode(anchors, boxes) -> tf.Tensor:
     """Deltas [..., A, 4] that turn each anchor into its box (both xyxy, float32)."""
     return bounding_boxes.encode_box_to_deltas(
-        tf.cast(anchors, tf.float32), tf.cast(boxes, tf.float32), anchor_format="xyxy",
-        box_format="xyxy", variance=BOX_VARIANCE)
+        tf.cast(anchors, tf.float32),
+        tf.cast(boxes, tf.float32),
+        anchor_format="xyxy",
+        box_format="xyxy",
+        variance=BOX_VARIANCE,
+    )
 
 
 def decode(anchors, deltas) -> tf.Tensor:
@@ -116,12 +126,13 @@ def decode(anchors, deltas) -> tf.Tensor:
     limit = MAX_LOG_SIZE_DELTA / BOX_VARIANCE[2]
     deltas = tf.concat([deltas[..., :2], tf.clip_by_value(deltas[..., 2:], -limit, limit)], -1)
     return bounding_boxes.decode_deltas_to_boxes(
-        tf.cast(anchors, tf.float32), deltas, anchor_format="xyxy", box_format="xyxy",
-        variance=BOX_VARIANCE)
+        tf.cast(anchors, tf.float32), deltas, anchor_format="xyxy", box_format="xyxy", variance=BOX_VARIANCE
+    )
 
 
-def match(anchors, gt_boxes, gt_classes, positive_iou: float = POSITIVE_IOU,
-          negative_iou: float = NEGATIVE_IOU) -> tuple[tf.Tensor, tf.Tensor]:
+def match(
+    anchors, gt_boxes, gt_classes, positive_iou: float = POSITIVE_IOU, negative_iou: float = NEGATIVE_IOU
+) -> tuple[tf.Tensor, tf.Tensor]:
     """Class targets int32 [A] and box targets float32 [A, 5] for one image.
 
     `gt_boxes` [M, 4] xyxy and `gt_classes` [M] int32, padded with class -1 rows (which match
@@ -138,22 +149,28 @@ def match(anchors, gt_boxes, gt_classes, positive_iou: float = POSITIVE_IOU,
     best_anchor = tf.argmax(iou, axis=0, output_type=tf.int32)  # [M]
     forced = valid & (tf.reduce_max(iou, axis=0) > 0.0)
     forced_anchor = tf.boolean_mask(best_anchor, forced)
-    best_gt = tf.tensor_scatter_nd_update(best_gt, forced_anchor[:, None],
-                                          tf.boolean_mask(tf.range(tf.shape(gt_classes)[0]), forced))
-    forced_count = tf.scatter_nd(forced_anchor[:, None], tf.ones_like(forced_anchor),
-                                 tf.shape(best_gt))
+    best_gt = tf.tensor_scatter_nd_update(
+        best_gt, forced_anchor[:, None], tf.boolean_mask(tf.range(tf.shape(gt_classes)[0]), forced)
+    )
+    forced_count = tf.scatter_nd(forced_anchor[:, None], tf.ones_like(forced_anchor), tf.shape(best_gt))
     positive = (best_iou >= positive_iou) | (forced_count > 0)
     negative = (best_iou < negative_iou) & ~positive
-    classes = tf.where(positive, tf.gather(gt_classes, best_gt),
-                       tf.where(negative, BACKGROUND, IGNORE))
+    classes = tf.where(positive, tf.gather(gt_classes, best_gt), tf.where(negative, BACKGROUND, IGNORE))
     deltas = encode(anchors, tf.gather(gt_boxes, best_gt))
     weight = tf.cast(positive, tf.float32)[:, None]
     return classes, tf.concat([deltas * weight, weight], axis=-1)
 
 
-def decode_detections(predictions: dict, anchors, *, score_threshold: float = 0.05,
-                      iou_threshold: float = 0.5, max_detections: int = 100,
-                      pre_nms_top_k: int = 1000, image_size: int | None = None) -> dict:
+def decode_detections(
+    predictions: dict,
+    anchors,
+    *,
+    score_threshold: float = 0.05,
+    iou_threshold: float = 0.5,
+    max_detections: int = 100,
+    pre_nms_top_k: int = 1000,
+    image_size: int | None = None,
+) -> dict:
     """Boxes, scores, classes and counts of detections from the model's outputs, in float32.
 
     `predictions` is the model's dict ({"classes": [B, A, K] logits, "boxes": [B, A, 4]}), any
@@ -174,8 +191,17 @@ def decode_detections(predictions: dict, anchors, *, score_threshold: float = 0.
     # combined NMS wants [y1, x1, y2, x2]; its IoU is the same for xyxy, but its clipping to
     # [0, 1] is not: clip_boxes=False, pixel boxes stay pixel boxes.
     nms_boxes, nms_scores, nms_classes, valid = tf.image.combined_non_max_suppression(
-        boxes[:, :, None, :], scores, max_output_size_per_class=max_detections,
-        max_total_size=max_detections, iou_threshold=iou_threshold,
-        score_threshold=score_threshold, clip_boxes=False)
-    return {"boxes": tf.cast(nms_boxes, tf.float32), "scores": tf.cast(nms_scores, tf.float32),
-            "classes": tf.cast(nms_classes, tf.int32), "valid_detections": tf.cast(valid, tf.int32)}
+        boxes[:, :, None, :],
+        scores,
+        max_output_size_per_class=max_detections,
+        max_total_size=max_detections,
+        iou_threshold=iou_threshold,
+        score_threshold=score_threshold,
+        clip_boxes=False,
+    )
+    return {
+        "boxes": tf.cast(nms_boxes, tf.float32),
+        "scores": tf.cast(nms_scores, tf.float32),
+        "classes": tf.cast(nms_classes, tf.int32),
+        "valid_detections": tf.cast(valid, tf.int32),
+    }

@@ -1,7 +1,7 @@
 """Detection input pipelines: built-in drawn scenes, COCO-format folders and TFDS, with anchors
 matched in the pipeline so the train step is static-shaped.
 
-A dataset is named by a spec string (as in `tfmp.data`):
+A dataset is named by a spec string (as in `tfmp.classification.data`):
 
 * ``shapes``      offline, deterministic scenes of 1-4 coloured shapes (`tfmp.detection.shapes`,
   6 classes), any ``image_size`` (default 128); 50,000 train and 500 eval images.
@@ -40,7 +40,7 @@ a random S x S crop of an enlarged image (padding of a shrunk one) and a horizon
 by the stream position, boxes moved with the pixels; a box cut to less than 40% of its area (or
 under 2 pixels) is dropped. Crowd annotations are skipped (no crowd regions in eval).
 
-Sharding, repetition, skipping and eval padding follow `tfmp.data.load`: eval batches are padded
+Sharding, repetition, skipping and eval padding follow `tfmp.classification.data.load`: eval batches are padded
 to full batches with rows whose anchors are all ignored and whose ``valid`` is False, so every
 replica and worker runs the same number of steps and padding counts nowhere.
 """
@@ -98,15 +98,25 @@ class Source:
 def _size(kind, image_size):
     if image_size is None:
         return DEFAULT_IMAGE_SIZE[kind]
-    if isinstance(image_size, bool) or not isinstance(image_size, int) or not (
-            MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE):
-        raise UsageError(f"bad detection image_size {image_size!r}; use an integer from "
-                         f"{MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE} (a multiple of 32 for RetinaNet)")
+    if (
+        isinstance(image_size, bool)
+        or not isinstance(image_size, int)
+        or not (MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE)
+    ):
+        raise UsageError(
+            f"bad detection image_size {image_size!r}; use an integer from "
+            f"{MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE} (a multiple of 32 for RetinaNet)"
+        )
     return image_size
 
 
-def source(spec: str, split: str, image_size: int | None = None, data_dir: str | None = None,
-           max_boxes: int | None = None) -> Source:
+def source(
+    spec: str,
+    split: str,
+    image_size: int | None = None,
+    data_dir: str | None = None,
+    max_boxes: int | None = None,
+) -> Source:
     """The `Source` of one split of `spec` (validates everything `load` would)."""
     from tfmp.detection import sources  # COCO JSON and TFDS readers
 
@@ -122,19 +132,26 @@ def source(spec: str, split: str, image_size: int | None = None, data_dir: str |
         return _shapes_source(spec, split, size)
     if kind == "coco":
         return sources.coco_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES)
-    return sources.tfds_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES,
-                               data_dir)
+    return sources.tfds_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES, data_dir)
 
 
-def describe(spec: str, image_size: int | None = None, data_dir: str | None = None,
-             max_boxes: int | None = None) -> DetectionInfo:
+def describe(
+    spec: str, image_size: int | None = None, data_dir: str | None = None, max_boxes: int | None = None
+) -> DetectionInfo:
     """Validates `spec` and returns its image size, classes and split sizes without loading."""
     return source(spec, "train", image_size, data_dir, max_boxes).info
 
 
 def _shapes_source(spec, split, size):
-    info = DetectionInfo(spec, size, len(shapes.CLASS_NAMES), shapes.CLASS_NAMES,
-                         SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES, SHAPES_MAX_SHAPES)
+    info = DetectionInfo(
+        spec,
+        size,
+        len(shapes.CLASS_NAMES),
+        shapes.CLASS_NAMES,
+        SHAPES_TRAIN_EXAMPLES,
+        SHAPES_EVAL_EXAMPLES,
+        SHAPES_MAX_SHAPES,
+    )
     split_id = SPLITS.index(split)
     count = (SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES)[split_id]
 
@@ -167,24 +184,27 @@ def fit_to_square(image, boxes, classes, size: int, key=None, jitter=SCALE_JITTE
         offset = tf.zeros([2], tf.int32)
     else:  # a random window of an enlarged image; 0 where the image is smaller than `size`
         room = tf.maximum(resized - size, 0)
-        offset = tf.cast(tf.floor(tf.random.stateless_uniform([2], offset_key) * tf.cast(
-            room + 1, tf.float32)), tf.int32)
+        offset = tf.cast(
+            tf.floor(tf.random.stateless_uniform([2], offset_key) * tf.cast(room + 1, tf.float32)), tf.int32
+        )
         offset = tf.minimum(offset, room)
-    image = image[offset[0]:offset[0] + size, offset[1]:offset[1] + size]
+    image = image[offset[0] : offset[0] + size, offset[1] : offset[1] + size]
     image = tf.image.pad_to_bounding_box(image, 0, 0, size, size)
     shift = tf.cast(tf.stack([offset[1], offset[0], offset[1], offset[0]]), tf.float32)
     moved = tf.cast(boxes, tf.float32) * ratio - shift
     clipped = tf.clip_by_value(moved, 0.0, float(size))
     area = lambda b: (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
     sides = tf.minimum(clipped[:, 2] - clipped[:, 0], clipped[:, 3] - clipped[:, 1])
-    keep = (classes >= 0) & (sides >= MIN_BOX_SIDE) & (
-        area(clipped) >= MIN_KEPT_AREA * tf.maximum(area(moved), 1e-6))
+    keep = (
+        (classes >= 0)
+        & (sides >= MIN_BOX_SIDE)
+        & (area(clipped) >= MIN_KEPT_AREA * tf.maximum(area(moved), 1e-6))
+    )
     flipped = tf.stack([size - clipped[:, 2], clipped[:, 1], size - clipped[:, 0], clipped[:, 3]], 1)
     image = tf.where(flip, tf.reverse(image, [1]), image)
     clipped = tf.where(flip, flipped, clipped)
     classes = tf.where(keep, tf.cast(classes, tf.int32), -1)
-    return (tf.clip_by_value(image, 0.0, 1.0), tf.where(keep[:, None], clipped, 0.0), classes,
-            1.0 / ratio)
+    return (tf.clip_by_value(image, 0.0, 1.0), tf.where(keep[:, None], clipped, 0.0), classes, 1.0 / ratio)
 
 
 def read_image(path: str, image_size: int):
@@ -198,8 +218,7 @@ def read_image(path: str, image_size: int):
     except tf.errors.InvalidArgumentError:
         raise UsageError(f"cannot decode image file {path!r}; use a jpg, png, bmp or gif") from None
     original = tf.image.convert_image_dtype(raw, tf.float32)
-    image, _, _, scale = fit_to_square(original, tf.zeros([0, 4]), tf.zeros([0], tf.int32),
-                                       image_size)
+    image, _, _, scale = fit_to_square(original, tf.zeros([0, 4]), tf.zeros([0], tf.int32), image_size)
     return image, float(scale), original
 
 
@@ -214,10 +233,21 @@ def pad_boxes(boxes, classes, max_boxes: int):
 
 
 # ----------------------------------------------------------------------------- the pipeline
-def load(spec: str, split: str, global_batch_size: int, *, anchors, image_size: int | None = None,
-         data_dir: str | None = None, input_context: tf.distribute.InputContext | None = None,
-         training: bool | None = None, augment: bool = False, seed: int = 0,
-         skip_examples: int = 0, max_boxes: int | None = None) -> tuple[tf.data.Dataset, str]:
+def load(
+    spec: str,
+    split: str,
+    global_batch_size: int,
+    *,
+    anchors,
+    image_size: int | None = None,
+    data_dir: str | None = None,
+    input_context: tf.distribute.InputContext | None = None,
+    training: bool | None = None,
+    augment: bool = False,
+    seed: int = 0,
+    skip_examples: int = 0,
+    max_boxes: int | None = None,
+) -> tuple[tf.data.Dataset, str]:
     """Returns (batched dataset, shard policy "OFF" | "FILE" | "DATA"); see the module docstring.
 
     `anchors` [A, 4] (from `boxes.generate_anchors` for the same `image_size`) are matched to
@@ -228,16 +258,21 @@ def load(spec: str, split: str, global_batch_size: int, *, anchors, image_size: 
     """
     source_ = source(spec, split, image_size, data_dir, max_boxes)
     training = split == "train" if training is None else training
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or (
-            global_batch_size < 1):
+    if (
+        isinstance(global_batch_size, bool)
+        or not isinstance(global_batch_size, int)
+        or (global_batch_size < 1)
+    ):
         raise UsageError(f"bad global_batch_size {global_batch_size!r}; use a positive integer")
     if not isinstance(skip_examples, int) or skip_examples < 0:
         raise UsageError(f"bad skip_examples {skip_examples!r}; use an integer >= 0")
     anchors = tf.convert_to_tensor(anchors, tf.float32)
     if anchors.shape.rank != 2 or anchors.shape[-1] != 4:
-        raise UsageError(f"bad anchors of shape {anchors.shape}; pass boxes.generate_anchors("
-                         f"{source_.info.image_size}, config) for image_size "
-                         f"{source_.info.image_size}")
+        raise UsageError(
+            f"bad anchors of shape {anchors.shape}; pass boxes.generate_anchors("
+            f"{source_.info.image_size}, config) for image_size "
+            f"{source_.info.image_size}"
+        )
     batch_size, pipelines = global_batch_size, 1
     if input_context is not None:
         try:
@@ -251,10 +286,24 @@ def load(spec: str, split: str, global_batch_size: int, *, anchors, image_size: 
         policy = "DATA"  # eval, generated data, or files read one per example: split examples
     else:
         policy = "FILE"
-    logging.info("tfmp.detection.data: %s %s split: shard policy %s for %d input pipeline(s)",
-                 spec, split, policy, pipelines)
-    dataset = _pipeline(source_, policy, input_context, batch_size, anchors, training=training,
-                        augment=augment, seed=seed, skip_examples=skip_examples)
+    logging.info(
+        "tfmp.detection.data: %s %s split: shard policy %s for %d input pipeline(s)",
+        spec,
+        split,
+        policy,
+        pipelines,
+    )
+    dataset = _pipeline(
+        source_,
+        policy,
+        input_context,
+        batch_size,
+        anchors,
+        training=training,
+        augment=augment,
+        seed=seed,
+        skip_examples=skip_examples,
+    )
     options = tf.data.Options()
     options.deterministic = True  # parallel maps keep order: runs are reproducible
     # Sharded here (above); tf.distribute must not shard a second time.
@@ -262,26 +311,24 @@ def load(spec: str, split: str, global_batch_size: int, *, anchors, image_size: 
     return dataset.with_options(options), policy
 
 
-def _pipeline(source_, policy, input_context, batch_size, anchors, *, training, augment, seed,
-              skip_examples):
-    # As tfmp.data: a training stream without file sharding shards late (every pipeline shuffles
+def _pipeline(source_, policy, input_context, batch_size, anchors, *, training, augment, seed, skip_examples):
+    # As tfmp.classification.data: a training stream without file sharding shards late (every pipeline shuffles
     # the same cheap stream, then takes every n-th item), so a global batch is the same on any
     # number of workers; eval shards early, after numbering the images (their ids).
     file_level = policy == "FILE"
     late = training and policy == "DATA"
-    dataset = source_.examples(input_context if file_level else None,
-                               seed if training and file_level else None)
+    dataset = source_.examples(
+        input_context if file_level else None, seed if training and file_level else None
+    )
     if not training:
         dataset = dataset.enumerate()
         if policy != "OFF":
-            dataset = dataset.shard(input_context.num_input_pipelines,
-                                    input_context.input_pipeline_id)
+            dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
     else:
         dataset = dataset.shuffle(source_.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
         dataset = dataset.repeat().enumerate()  # the stream position keys the augmentation
         if late:
-            dataset = dataset.shard(input_context.num_input_pipelines,
-                                    input_context.input_pipeline_id)
+            dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
         dataset = dataset.skip(skip_examples)
     size, max_boxes = source_.info.image_size, source_.info.max_boxes
     seed_tensor = tf.constant(seed, tf.int64)
@@ -296,8 +343,13 @@ def _pipeline(source_, policy, input_context, batch_size, anchors, *, training, 
         labels = {"classes": class_targets, "boxes": box_targets}
         if training:
             return image, labels
-        truth = {"image_id": position, "boxes": boxes, "classes": classes,
-                 "scale": tf.cast(scale, tf.float32), "valid": tf.constant(True)}
+        truth = {
+            "image_id": position,
+            "boxes": boxes,
+            "classes": classes,
+            "scale": tf.cast(scale, tf.float32),
+            "valid": tf.constant(True),
+        }
         return image, labels, truth
 
     dataset = dataset.map(prepare, num_parallel_calls=_AUTOTUNE)
@@ -313,17 +365,20 @@ def _pad_to_full_batches(dataset, source_, input_context, batch_size, anchors):
     replicas = max(input_context.num_replicas_in_sync // pipelines, 1) if input_context else 1
     total = source_.num_examples
     if not total:  # unknown to TFDS (e.g. mocked): count the cheap stream once
-        total = int(source_.examples(None, None).reduce(tf.constant(0, tf.int64),
-                                                        lambda count, _: count + 1))
+        total = int(source_.examples(None, None).reduce(tf.constant(0, tf.int64), lambda count, _: count + 1))
     examples_per_step = batch_size * replicas
     steps = math.ceil(math.ceil(total / pipelines) / examples_per_step)
-    size, max_boxes, num_anchors = (source_.info.image_size, source_.info.max_boxes,
-                                    anchors.shape[0])
-    padding = (tf.zeros([size, size, 3]),
-               {"classes": tf.fill([num_anchors], box_ops.IGNORE),
-                "boxes": tf.zeros([num_anchors, 5])},
-               {"image_id": tf.constant(-1, tf.int64), "boxes": tf.zeros([max_boxes, 4]),
-                "classes": tf.fill([max_boxes], -1), "scale": tf.constant(1.0),
-                "valid": tf.constant(False)})
+    size, max_boxes, num_anchors = (source_.info.image_size, source_.info.max_boxes, anchors.shape[0])
+    padding = (
+        tf.zeros([size, size, 3]),
+        {"classes": tf.fill([num_anchors], box_ops.IGNORE), "boxes": tf.zeros([num_anchors, 5])},
+        {
+            "image_id": tf.constant(-1, tf.int64),
+            "boxes": tf.zeros([max_boxes, 4]),
+            "classes": tf.fill([max_boxes], -1),
+            "scale": tf.constant(1.0),
+            "valid": tf.constant(False),
+        },
+    )
     padding = tf.data.Dataset.from_tensors(padding).repeat()
     return dataset.concatenate(padding).take(steps * examples_per_step)

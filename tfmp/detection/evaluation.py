@@ -33,23 +33,33 @@ def _xywh(boxes):
     return np.concatenate([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], axis=1)
 
 
-def coco_metrics(ground_truth: list[dict], detections: list[dict],
-                 max_detections: int = 100) -> dict[str, float]:
+def coco_metrics(
+    ground_truth: list[dict], detections: list[dict], max_detections: int = 100
+) -> dict[str, float]:
     """COCO bbox metrics (`METRIC_NAMES`) of a list of images.
 
     `ground_truth[i]` = {"boxes": [n, 4] xyxy, "classes": [n]} and `detections[i]` =
     {"boxes": [d, 4] xyxy, "scores": [d], "classes": [d]} for the same image i.
     """
     if len(ground_truth) != len(detections):
-        raise ValueError(f"{len(ground_truth)} ground-truth images but {len(detections)} "
-                         "detection images; pass one entry per image to both")
+        raise ValueError(
+            f"{len(ground_truth)} ground-truth images but {len(detections)} "
+            "detection images; pass one entry per image to both"
+        )
     images, annotations, results, class_ids = [], [], [], set()
     for image_id, (truth, found) in enumerate(zip(ground_truth, detections), start=1):
         images.append({"id": image_id})
         for box, class_id in zip(_xywh(truth["boxes"]), np.asarray(truth["classes"]).reshape(-1)):
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id,
-                                "category_id": int(class_id) + 1, "bbox": box.tolist(),
-                                "area": float(box[2] * box[3]), "iscrowd": 0})
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": int(class_id) + 1,
+                    "bbox": box.tolist(),
+                    "area": float(box[2] * box[3]),
+                    "iscrowd": 0,
+                }
+            )
             class_ids.add(int(class_id) + 1)
         boxes = _xywh(found["boxes"])
         scores = np.asarray(found["scores"], np.float64).reshape(-1, 1)
@@ -61,8 +71,11 @@ def coco_metrics(ground_truth: list[dict], detections: list[dict],
         return dict.fromkeys(METRIC_NAMES, 0.0)
     with contextlib.redirect_stdout(io.StringIO()):
         truth_api = COCO()
-        truth_api.dataset = {"images": images, "annotations": annotations,
-                             "categories": [{"id": c} for c in sorted(class_ids)]}
+        truth_api.dataset = {
+            "images": images,
+            "annotations": annotations,
+            "categories": [{"id": c} for c in sorted(class_ids)],
+        }
         truth_api.createIndex()
         evaluator = COCOeval(truth_api, truth_api.loadRes(results), "bbox")
         evaluator.params.maxDets = [1, 10, max_detections]
@@ -92,17 +105,24 @@ class CocoEvaluator:
                 continue
             image_id = int(truth["image_id"][row])
             if image_id in self._ids:
-                raise ValueError(f"image {image_id} was evaluated twice; each eval image must "
-                                 "reach the evaluator exactly once")
+                raise ValueError(
+                    f"image {image_id} was evaluated twice; each eval image must "
+                    "reach the evaluator exactly once"
+                )
             self._ids.add(image_id)
             scale = float(truth["scale"][row])
             keep = truth["classes"][row] >= 0
-            self._truth.append({"boxes": truth["boxes"][row][keep] * scale,
-                                "classes": truth["classes"][row][keep]})
+            self._truth.append(
+                {"boxes": truth["boxes"][row][keep] * scale, "classes": truth["classes"][row][keep]}
+            )
             count = int(detections["valid_detections"][row])
-            self._found.append({"boxes": detections["boxes"][row][:count] * scale,
-                                "scores": detections["scores"][row][:count],
-                                "classes": detections["classes"][row][:count]})
+            self._found.append(
+                {
+                    "boxes": detections["boxes"][row][:count] * scale,
+                    "scores": detections["scores"][row][:count],
+                    "classes": detections["classes"][row][:count],
+                }
+            )
 
     @property
     def num_images(self) -> int:

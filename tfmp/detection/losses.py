@@ -13,7 +13,7 @@ Label encoding (made by `tfmp.detection.boxes.match` in the input pipeline):
 The predictions are the model's "classes" logits [B, A, K] and "boxes" deltas [B, A, 4].
 
 Both losses are summed over anchors and divided by the number of positive anchors in the
-*global* batch (`tfmp.distribute.global_sum`: all replicas and workers), and have
+*global* batch (`tfmp.distribute.strategies.global_sum`: all replicas and workers), and have
 `reduction="sum"`: Keras then neither averages over the batch nor divides by the replica count,
 so the gradients summed over N replicas are exactly the single-device gradients of the global
 batch. Each returns one value per image (its share of the batch loss), whose sum is the loss.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmp.distribute import global_sum
+from tfmp.distribute.strategies import global_sum
 
 FOCAL_ALPHA, FOCAL_GAMMA = 0.25, 2.0
 HUBER_DELTA = 1.0  # on deltas scaled by boxes.BOX_VARIANCE (~unit spread)
@@ -43,15 +43,21 @@ class ClassLoss(keras.losses.Loss):
     per image, divided by the global positive-anchor count. Uses
     `keras.losses.BinaryFocalCrossentropy` for the per-class terms."""
 
-    def __init__(self, alpha: float = FOCAL_ALPHA, gamma: float = FOCAL_GAMMA,
-                 name: str = "class_focal_loss", **kwargs):
+    def __init__(
+        self, alpha: float = FOCAL_ALPHA, gamma: float = FOCAL_GAMMA, name: str = "class_focal_loss", **kwargs
+    ):
         kwargs.setdefault("reduction", "sum")
         kwargs.setdefault("dtype", "float32")
         super().__init__(name=name, **kwargs)
         self.alpha, self.gamma = alpha, gamma
         self._focal = keras.losses.BinaryFocalCrossentropy(
-            apply_class_balancing=True, alpha=alpha, gamma=gamma, from_logits=True,
-            reduction=None, dtype="float32")
+            apply_class_balancing=True,
+            alpha=alpha,
+            gamma=gamma,
+            from_logits=True,
+            reduction=None,
+            dtype="float32",
+        )
 
     def call(self, y_true, y_pred):
         targets = tf.cast(y_true, tf.int32)

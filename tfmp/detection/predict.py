@@ -16,17 +16,18 @@ import os
 import keras
 import tensorflow as tf
 
-from tfmp.detection import boxes, data, visualize
+from tfmp.detection import boxes, data, retinanet, visualize
 from tfmp.errors import UsageError
-from tfmp.models import retinanet
 
 
 def run_flags(model_dir: str) -> dict:
     """The `--name=value` lines of a run's flags.txt, as a dict of strings."""
     path = os.path.join(model_dir, "flags.txt")
     if not os.path.isfile(path):
-        raise UsageError(f"{model_dir!r} is not a tfmp run directory (no flags.txt); pass the --model_dir "
-                         "of a finished apps.detect run")
+        raise UsageError(
+            f"{model_dir!r} is not a tfmp run directory (no flags.txt); pass the --model_dir "
+            "of a finished apps.detect run"
+        )
     values = {}
     for line in open(path, encoding="utf-8"):
         if line.startswith("--") and "=" in line:
@@ -38,19 +39,28 @@ def run_flags(model_dir: str) -> dict:
 def load_detector(model_dir: str) -> tuple[keras.Model, dict, data.DetectionInfo]:
     flags = run_flags(model_dir)
     if flags.get("model") not in retinanet.DETECTORS:
-        raise UsageError(f"run {model_dir!r} trained {flags.get('model')!r}, not a detector; "
-                         f"use apps.predict for classifiers")
+        raise UsageError(
+            f"run {model_dir!r} trained {flags.get('model')!r}, not a detector; "
+            f"use apps.predict for classifiers"
+        )
     path = os.path.join(model_dir, "model.keras")
     if not os.path.isfile(path):
         raise UsageError(f"run {model_dir!r} has no model.keras (unfinished run?); train it to the end first")
     image_size = int(flags["image_size"]) if flags.get("image_size") not in (None, "None") else None
-    info = data.describe(flags.get("dataset", "shapes"), image_size=image_size, data_dir=flags.get("data_dir"))
+    info = data.describe(
+        flags.get("dataset", "shapes"), image_size=image_size, data_dir=flags.get("data_dir")
+    )
     model = keras.models.load_model(path, compile=False)
     return model, flags, info
 
 
-def predict_files(model_dir: str, paths: list[str], score_threshold: float = 0.3,
-                  max_detections: int = 100, output_dir: str | None = None) -> list[dict]:
+def predict_files(
+    model_dir: str,
+    paths: list[str],
+    score_threshold: float = 0.3,
+    max_detections: int = 100,
+    output_dir: str | None = None,
+) -> list[dict]:
     """One record per image ({"image", "png", "detections": [{"box", "class", "name", "score"}]})."""
     if not 0.0 <= score_threshold < 1.0:
         raise UsageError(f"--score_threshold={score_threshold} must be in [0, 1)")
@@ -58,8 +68,13 @@ def predict_files(model_dir: str, paths: list[str], score_threshold: float = 0.3
     images = [data.read_image(path, info.image_size) for path in paths]  # all decode, or nothing is written
     anchors = boxes.generate_anchors(info.image_size, retinanet.anchor_config(flags["model"]))
     outputs = model.predict_on_batch(tf.stack([image for image, _, _ in images]))
-    found = boxes.decode_detections(outputs, anchors, score_threshold=score_threshold,
-                                    max_detections=max_detections, image_size=info.image_size)
+    found = boxes.decode_detections(
+        outputs,
+        anchors,
+        score_threshold=score_threshold,
+        max_detections=max_detections,
+        image_size=info.image_size,
+    )
     found = {key: value.numpy() for key, value in found.items()}
     records = []
     for row, (path, (_, scale, original)) in enumerate(zip(paths, images)):
@@ -68,11 +83,24 @@ def predict_files(model_dir: str, paths: list[str], score_threshold: float = 0.3
         picked["boxes"] = picked["boxes"] * scale  # back to the original image's pixels
         folder = output_dir or os.path.dirname(os.path.abspath(path))
         png = os.path.join(folder, os.path.splitext(os.path.basename(path))[0] + ".detections.png")
-        visualize.draw_detections(original.numpy(), picked["boxes"], picked["classes"], picked["scores"],
-                                  info.class_names, png)
-        records.append({"image": path, "png": png, "boxes_dtype": str(picked["boxes"].dtype),
-                        "scores_dtype": str(picked["scores"].dtype), "detections": [
-            {"box": [round(float(v), 1) for v in box], "class": int(label), "name": info.class_names[int(label)],
-             "score": round(float(score), 4)}
-            for box, label, score in zip(picked["boxes"], picked["classes"], picked["scores"])]})
+        visualize.draw_detections(
+            original.numpy(), picked["boxes"], picked["classes"], picked["scores"], info.class_names, png
+        )
+        records.append(
+            {
+                "image": path,
+                "png": png,
+                "boxes_dtype": str(picked["boxes"].dtype),
+                "scores_dtype": str(picked["scores"].dtype),
+                "detections": [
+                    {
+                        "box": [round(float(v), 1) for v in box],
+                        "class": int(label),
+                        "name": info.class_names[int(label)],
+                        "score": round(float(score), 4),
+                    }
+                    for box, label, score in zip(picked["boxes"], picked["classes"], picked["scores"])
+                ],
+            }
+        )
     return records

@@ -7,7 +7,7 @@
 resolution, parallel inside `Dataset.map`). Each scene has a random background and 1 to
 `max_shapes` shapes of the classes in `CLASS_NAMES`, each 20-50% of the image across, slightly
 rotated, in a colour 0.25-0.6 brighter or darker than the background per channel (as
-`tfmp.drawing.draw_shape`, whose distance fields these are). Shapes may overlap, but no two
+`tfmp.classification.drawing.draw_shape`, whose distance fields these are). Shapes may overlap, but no two
 boxes overlap by more than `MAX_COVERED` of the smaller one, so a partly hidden shape is still
 recognisable.
 A later shape is drawn over an earlier one.
@@ -79,7 +79,7 @@ def draw_scene(key, size: int, max_shapes: int = 4):
         p = params[index]
         radius = 0.1 + 0.15 * p[1]  # the shape spans 20-50% of the image
         centre_y, centre_x = radius + (1 - 2 * radius) * p[2], radius + (1 - 2 * radius) * p[3]
-        # +-10 degrees (as tfmp.drawing), plus 90 degrees for half of the bars.
+        # +-10 degrees (as tfmp.classification.drawing), plus 90 degrees for half of the bars.
         angle = (p[4] - 0.5) * 0.35 + tf.where(p[8] < 0.5, 0.0, 1.5707964)
         dy, dx = y - centre_y, x - centre_x
         u = (tf.cos(angle) * dx + tf.sin(angle) * dy) / radius

@@ -35,8 +35,10 @@ def _coco_files(path):
     if tf.io.gfile.exists(root) and not tf.io.gfile.isdir(root):
         return {"train": (root, os.path.dirname(root)), "eval": (root, os.path.dirname(root))}, True
     if not tf.io.gfile.isdir(root):
-        raise UsageError(f"COCO dataset path {path!r} does not exist; pass a folder with "
-                         "annotations/instances_<split>.json or one annotation JSON file")
+        raise UsageError(
+            f"COCO dataset path {path!r} does not exist; pass a folder with "
+            "annotations/instances_<split>.json or one annotation JSON file"
+        )
     found = {}
     for split, names in COCO_SPLITS.items():
         for name in names:
@@ -45,8 +47,10 @@ def _coco_files(path):
                 found[split] = (annotation, os.path.join(root, name))
                 break
     if "train" not in found:
-        raise UsageError(f"COCO folder {path!r} has no annotations/instances_train2017.json "
-                         "(or instances_train.json); use COCO's layout or pass the JSON file")
+        raise UsageError(
+            f"COCO folder {path!r} has no annotations/instances_train2017.json "
+            "(or instances_train.json); use COCO's layout or pass the JSON file"
+        )
     found.setdefault("eval", None)
     return found, False
 
@@ -59,25 +63,36 @@ def _read_coco(annotation_file, image_folder):
         images, annotations = content["images"], content.get("annotations", [])
         categories = sorted(content["categories"], key=lambda category: category["id"])
     except (ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"COCO annotation file {annotation_file!r} is not COCO JSON ({error!r}); "
-                         "it needs images, annotations and categories lists") from None
+        raise UsageError(
+            f"COCO annotation file {annotation_file!r} is not COCO JSON ({error!r}); "
+            "it needs images, annotations and categories lists"
+        ) from None
     class_of = {category["id"]: index for index, category in enumerate(categories)}
     per_image = {image["id"]: ([], []) for image in images}
     for annotation in annotations:
         where = f"annotation {annotation.get('id')!r} of {annotation_file!r}"
         bbox = annotation.get("bbox")
-        if not (isinstance(bbox, (list, tuple)) and len(bbox) == 4
-                and all(isinstance(v, (int, float)) for v in bbox)):
+        if not (
+            isinstance(bbox, (list, tuple))
+            and len(bbox) == 4
+            and all(isinstance(v, (int, float)) for v in bbox)
+        ):
             raise UsageError(f"{where} has a bad bbox {bbox!r}; use [x, y, width, height] numbers")
         if bbox[2] < 0 or bbox[3] < 0:
-            raise UsageError(f"{where} has a negative width or height in bbox {bbox!r} (inverted "
-                             "box?); COCO boxes are [x, y, width, height] with width, height >= 0")
+            raise UsageError(
+                f"{where} has a negative width or height in bbox {bbox!r} (inverted "
+                "box?); COCO boxes are [x, y, width, height] with width, height >= 0"
+            )
         if annotation.get("image_id") not in per_image:
-            raise UsageError(f"{where} names image_id {annotation.get('image_id')!r}, which is "
-                             "not in its images list; fix the image_id")
+            raise UsageError(
+                f"{where} names image_id {annotation.get('image_id')!r}, which is "
+                "not in its images list; fix the image_id"
+            )
         if annotation.get("category_id") not in class_of:
-            raise UsageError(f"{where} names category_id {annotation.get('category_id')!r}, "
-                             "which is not in its categories list; fix the category_id")
+            raise UsageError(
+                f"{where} names category_id {annotation.get('category_id')!r}, "
+                "which is not in its categories list; fix the category_id"
+            )
         if annotation.get("iscrowd", 0) or bbox[2] == 0 or bbox[3] == 0:
             continue  # crowd regions are not objects to learn; empty boxes have nothing to find
         boxes, classes = per_image[annotation["image_id"]]
@@ -91,8 +106,10 @@ def _read_coco(annotation_file, image_folder):
         boxes, classes = per_image[image["id"]]
         examples.append((path, boxes, classes))
     if missing:
-        raise UsageError(f"{len(missing)} image(s) of {annotation_file!r} are missing, e.g. "
-                         f"{missing[0]!r}; put the images there or fix their file_name")
+        raise UsageError(
+            f"{len(missing)} image(s) of {annotation_file!r} are missing, e.g. "
+            f"{missing[0]!r}; put the images there or fix their file_name"
+        )
     return tuple(category["name"] for category in categories), examples
 
 
@@ -108,30 +125,33 @@ def coco_source(spec, path, split, size, max_boxes):
     elif files["eval"] is not None:
         eval_names, evaluation = _read_coco(*files["eval"])
         if eval_names != class_names:
-            raise UsageError(f"COCO folder {path!r}: the val annotations have other categories "
-                             "than the train ones; use one category list for both")
+            raise UsageError(
+                f"COCO folder {path!r}: the val annotations have other categories "
+                "than the train ones; use one category list for both"
+            )
     else:
         evaluation = []
     chosen = train if split == "train" else evaluation
     if not chosen:
-        raise UsageError(f"COCO dataset {path!r} has no {split} images (a single JSON holds out "
-                         f"every {HOLDOUT_EVERY}th image; a folder needs annotations for val)")
-    info = DetectionInfo(spec, size, len(class_names), class_names, len(train), len(evaluation),
-                         max_boxes)
+        raise UsageError(
+            f"COCO dataset {path!r} has no {split} images (a single JSON holds out "
+            f"every {HOLDOUT_EVERY}th image; a folder needs annotations for val)"
+        )
+    info = DetectionInfo(spec, size, len(class_names), class_names, len(train), len(evaluation), max_boxes)
     paths = [p for p, _, _ in chosen]
     lengths = [len(cs) for _, _, cs in chosen]
     boxes = tf.RaggedTensor.from_row_lengths(
-        np.array([b for _, bs, _ in chosen for b in bs], np.float32).reshape(-1, 4), lengths)
+        np.array([b for _, bs, _ in chosen for b in bs], np.float32).reshape(-1, 4), lengths
+    )
     classes = tf.RaggedTensor.from_row_lengths(
-        np.array([c for _, _, cs in chosen for c in cs], np.int32), lengths)
+        np.array([c for _, _, cs in chosen for c in cs], np.int32), lengths
+    )
 
     def examples(file_shard_context, _):  # one file per example: sharding files = sharding data
-        dataset = tf.data.Dataset.from_tensor_slices(
-            {"path": paths, "boxes": boxes, "classes": classes})
+        dataset = tf.data.Dataset.from_tensor_slices({"path": paths, "boxes": boxes, "classes": classes})
         if file_shard_context is None:
             return dataset
-        return dataset.shard(file_shard_context.num_input_pipelines,
-                             file_shard_context.input_pipeline_id)
+        return dataset.shard(file_shard_context.num_input_pipelines, file_shard_context.input_pipeline_id)
 
     def decode(item):
         raw = tf.io.decode_image(tf.io.read_file(item["path"]), channels=3, expand_animations=False)
@@ -150,17 +170,23 @@ def tfds_source(spec, name, split, size, max_boxes, data_dir):
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
-        raise UsageError(f"unknown tfds dataset {name!r}; use e.g. voc/2007 or coco/2017 "
-                         "(see tfds.list_builders())") from None
+        raise UsageError(
+            f"unknown tfds dataset {name!r}; use e.g. voc/2007 or coco/2017 (see tfds.list_builders())"
+        ) from None
     except (AssertionError, ValueError) as error:  # bad config or version: TFDS says which exist
         raise UsageError(f"bad tfds dataset {name!r}: {str(error).splitlines()[0]}") from None
     features = builder.info.features
     objects = features["objects"] if "objects" in features.keys() else None
-    if not ("image" in features.keys() and objects is not None
-            and {"bbox", "label"} <= set(objects.feature.keys())
-            and isinstance(objects.feature["label"], tfds.features.ClassLabel)):
-        raise UsageError(f"tfds dataset {name!r} is not object detection (it needs image, "
-                         "objects/bbox and objects/label features)")
+    if not (
+        "image" in features.keys()
+        and objects is not None
+        and {"bbox", "label"} <= set(objects.feature.keys())
+        and isinstance(objects.feature["label"], tfds.features.ClassLabel)
+    ):
+        raise UsageError(
+            f"tfds dataset {name!r} is not object detection (it needs image, "
+            "objects/bbox and objects/label features)"
+        )
     family = name.split("/")[0].split(":")[0]
     splits = builder.info.splits  # empty when not prepared in data_dir (or TFDS is mocked)
     names = TFDS_SPLITS.get(family) or ("train", "test" if "test" in splits else "validation")
@@ -170,34 +196,45 @@ def tfds_source(spec, name, split, size, max_boxes, data_dir):
         try:
             return sum(splits[part].num_examples for part in split_name.split("+")) if splits else 0
         except KeyError:
-            raise UsageError(f"tfds dataset {name!r} has no split {split_name!r} (it has "
-                             f"{', '.join(splits)})") from None
+            raise UsageError(
+                f"tfds dataset {name!r} has no split {split_name!r} (it has {', '.join(splits)})"
+            ) from None
 
     counts = [count(split_name) for split_name in names]
     label_feature = objects.feature["label"]
-    info = DetectionInfo(spec, size, label_feature.num_classes, tuple(label_feature.names),
-                         *counts, max_boxes)
+    info = DetectionInfo(
+        spec, size, label_feature.num_classes, tuple(label_feature.names), *counts, max_boxes
+    )
     num_files = sum(splits[part].num_shards for part in tfds_split.split("+")) if splits else 0
     image_feature = features["image"]
     crowd = "is_crowd" in objects.feature.keys()
 
     def examples(file_shard_context, shuffle_seed):
-        # Images stay encoded until after shuffle/skip (as tfmp.data): resuming decodes nothing.
+        # Images stay encoded until after shuffle/skip (as tfmp.classification.data): resuming decodes nothing.
         read_config = tfds.ReadConfig(input_context=file_shard_context, shuffle_seed=shuffle_seed)
         try:
-            return tfds.load(name, split=tfds_split, data_dir=data_dir, download=False,
-                             read_config=read_config, shuffle_files=shuffle_seed is not None,
-                             decoders={"image": tfds.decode.SkipDecoding()})
+            return tfds.load(
+                name,
+                split=tfds_split,
+                data_dir=data_dir,
+                download=False,
+                read_config=read_config,
+                shuffle_files=shuffle_seed is not None,
+                decoders={"image": tfds.decode.SkipDecoding()},
+            )
         except AssertionError as error:  # TFDS's "could not find data in ..."
-            raise UsageError(f"tfds dataset {name!r} is not prepared in data_dir {data_dir!r}; "
-                             f"run `tfds build {name} --data_dir DIR` where there is internet "
-                             "and pass that DIR") from error
+            raise UsageError(
+                f"tfds dataset {name!r} is not prepared in data_dir {data_dir!r}; "
+                f"run `tfds build {name} --data_dir DIR` where there is internet "
+                "and pass that DIR"
+            ) from error
 
     def decode(item):
         image = tf.image.convert_image_dtype(image_feature.decode_example(item["image"]), tf.float32)
         shape = tf.cast(tf.shape(image), tf.float32)
-        xyxy = bounding_boxes.convert_format(item["objects"]["bbox"], source="rel_yxyx",
-                                             target="xyxy", height=shape[0], width=shape[1])
+        xyxy = bounding_boxes.convert_format(
+            item["objects"]["bbox"], source="rel_yxyx", target="xyxy", height=shape[0], width=shape[1]
+        )
         classes = tf.cast(item["objects"]["label"], tf.int32)
         if crowd:
             classes = tf.where(item["objects"]["is_crowd"], -1, classes)

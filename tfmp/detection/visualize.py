@@ -52,8 +52,11 @@ def render(image, boxes, classes, scores=None, class_names=None, scale: int = 1)
         box, class_id = boxes[index], classes[index]
         colour = class_colour(class_id)
         draw.rectangle([float(v) for v in box], outline=colour, width=line_width)
-        name = class_names[class_id] if class_names is not None and 0 <= class_id < len(
-            class_names) else str(class_id)
+        name = (
+            class_names[class_id]
+            if class_names is not None and 0 <= class_id < len(class_names)
+            else str(class_id)
+        )
         label = name if scores is None else f"{name} {scores[index]:.2f}"
         left, top, right, bottom = draw.textbbox((0, 0), label, font=font)
         tag_height = bottom - top + 2
@@ -63,8 +66,7 @@ def render(image, boxes, classes, scores=None, class_names=None, scale: int = 1)
     return picture
 
 
-def draw_detections(image, boxes, classes, scores, class_names, path: str,
-                    scale: int = 1) -> str:
+def draw_detections(image, boxes, classes, scores, class_names, path: str, scale: int = 1) -> str:
     """Renders (see `render`) and writes a PNG to `path` (folders created); returns the path."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

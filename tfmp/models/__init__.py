@@ -86,9 +86,7 @@ def build(
 
 # Transposed, depthwise and separable convolutions are not subclasses of these, so they are
 # (knowingly) not counted; no tfmp model uses them.
-_COUNTED_LAYERS = (
-    keras.layers.Dense, keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D
-)
+_COUNTED_LAYERS = (keras.layers.Dense, keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 
 
 def count_flops(model: keras.Model, batch_size: int = 1) -> int:
@@ -126,5 +124,8 @@ def _outputs_in(model: keras.Model, layer) -> list:
     own_nodes = getattr(model, "_nodes", None)
     if not own_nodes:
         return [layer.output]
-    return [node.outputs[0] for index, node in enumerate(layer._inbound_nodes)
-            if f"{id(layer)}_ib-{index}" in own_nodes]
+    return [
+        node.outputs[0]
+        for index, node in enumerate(layer._inbound_nodes)
+        if f"{id(layer)}_ib-{index}" in own_nodes
+    ]

@@ -38,8 +38,7 @@ def image_input(input_shape: tuple[int, ...], name: str, min_size: int = 1) -> k
     height, width, _ = input_shape
     if height < min_size or width < min_size:
         raise UsageError(
-            f"model {name!r} needs images of at least {min_size}x{min_size} pixels, "
-            f"got {height}x{width}"
+            f"model {name!r} needs images of at least {min_size}x{min_size} pixels, got {height}x{width}"
         )
     # Images arrive as float32 in [0, 1]; the first layer casts them to its compute dtype.
     return keras.Input(shape=input_shape, dtype="float32", name=f"{name}_images")
@@ -57,9 +56,7 @@ def classifier_head(
     float16 lose small probabilities and can overflow, so the last two layers run in float32.
     """
     if not isinstance(num_classes, int) or num_classes < 2:
-        raise UsageError(
-            f"model {name!r} needs num_classes >= 2 for a softmax, got {num_classes!r}"
-        )
+        raise UsageError(f"model {name!r} needs num_classes >= 2 for a softmax, got {num_classes!r}")
     logits = keras.layers.Dense(
         num_classes,
         kernel_regularizer=kernel_regularizer,
@@ -105,9 +102,7 @@ def seed_cnn(
         )(features)
         features = keras.layers.MaxPooling2D(2, dtype=dtype, name=f"{name}_pool{stage}")(features)
     features = keras.layers.Flatten(dtype=dtype, name=f"{name}_flatten")(features)
-    features = keras.layers.Dense(
-        128, activation="relu", dtype=dtype, name=f"{name}_dense"
-    )(features)
+    features = keras.layers.Dense(128, activation="relu", dtype=dtype, name=f"{name}_dense")(features)
     return functional_model(images, classifier_head(features, num_classes, name), name, dtype)
 
 
@@ -123,16 +118,10 @@ def lenet(
     features). Each side must be at least 16 pixels for the second pooling to see a 2x2 map.
     """
     images = image_input(input_shape, name, min_size=16)
-    features = keras.layers.Conv2D(
-        20, 5, activation="relu", dtype=dtype, name=f"{name}_conv1"
-    )(images)
+    features = keras.layers.Conv2D(20, 5, activation="relu", dtype=dtype, name=f"{name}_conv1")(images)
     features = keras.layers.MaxPooling2D(2, dtype=dtype, name=f"{name}_pool1")(features)
-    features = keras.layers.Conv2D(
-        50, 5, activation="relu", dtype=dtype, name=f"{name}_conv2"
-    )(features)
+    features = keras.layers.Conv2D(50, 5, activation="relu", dtype=dtype, name=f"{name}_conv2")(features)
     features = keras.layers.MaxPooling2D(2, dtype=dtype, name=f"{name}_pool2")(features)
     features = keras.layers.Flatten(dtype=dtype, name=f"{name}_flatten")(features)
-    features = keras.layers.Dense(
-        500, activation="relu", dtype=dtype, name=f"{name}_dense"
-    )(features)
+    features = keras.layers.Dense(500, activation="relu", dtype=dtype, name=f"{name}_dense")(features)
     return functional_model(images, classifier_head(features, num_classes, name), name, dtype)

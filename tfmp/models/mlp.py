@@ -39,22 +39,20 @@ def mlp(
     float32 Dense(num_classes) + softmax head. Layers are `{name}_dense{i}`/`{name}_dropout{i}`."""
     input_shape = tuple(input_shape)
     if not input_shape or any(not isinstance(size, int) or size < 1 for size in input_shape):
-        raise UsageError(
-            f"model {name!r} needs an input shape of positive integers, got {input_shape}"
-        )
+        raise UsageError(f"model {name!r} needs an input shape of positive integers, got {input_shape}")
     if not 0.0 <= dropout_rate < 1.0:
         raise UsageError(f"model {name!r} needs 0 <= dropout_rate < 1, got {dropout_rate}")
     inputs = keras.Input(shape=input_shape, dtype="float32", name=f"{name}_images")
     features = keras.layers.Flatten(dtype=dtype, name=f"{name}_flatten")(inputs)
     for index, units in enumerate(hidden_units, start=1):
-        features = keras.layers.Dense(
-            units, activation="relu", dtype=dtype, name=f"{name}_dense{index}"
-        )(features)
+        features = keras.layers.Dense(units, activation="relu", dtype=dtype, name=f"{name}_dense{index}")(
+            features
+        )
         # A rate of 0 would add a layer that does nothing but still shows up in summaries.
         if dropout_rate:
-            features = keras.layers.Dropout(
-                dropout_rate, dtype=dtype, name=f"{name}_dropout{index}"
-            )(features)
+            features = keras.layers.Dropout(dropout_rate, dtype=dtype, name=f"{name}_dropout{index}")(
+                features
+            )
     return functional_model(inputs, classifier_head(features, num_classes, name), name, dtype)
 
 

@@ -113,9 +113,7 @@ def _bottleneck_block(x, filters, stride, name, dtype, regularizer):
     """1x1 reduce, 3x3 (strided, v1.5), 1x1 expand to 4*filters; projection shortcut if needed."""
     shortcut = x
     if stride != 1 or x.shape[-1] != 4 * filters:
-        shortcut = _conv_bn(
-            x, 4 * filters, 1, stride, f"{name}_shortcut", dtype, regularizer, relu=False
-        )
+        shortcut = _conv_bn(x, 4 * filters, 1, stride, f"{name}_shortcut", dtype, regularizer, relu=False)
     x = _conv_bn(x, filters, 1, 1, f"{name}_1", dtype, regularizer)
     x = _conv_bn(x, filters, 3, stride, f"{name}_2", dtype, regularizer)
     x = _conv_bn(x, 4 * filters, 1, 1, f"{name}_3", dtype, regularizer, relu=False)
@@ -142,9 +140,7 @@ def resnet_cifar(
     f"resnet{depth}". Layers: `{name}_stem_*`, `{name}_stage{s}_block{b}_*`, `{name}_pool`."""
     name = name or f"resnet{depth}"
     if not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
-        raise UsageError(
-            f"CIFAR ResNet depth must be 6n+2 with n >= 1 (20, 32, 44, 56, 110), got {depth}"
-        )
+        raise UsageError(f"CIFAR ResNet depth must be 6n+2 with n >= 1 (20, 32, 44, 56, 110), got {depth}")
     blocks_per_stage = (depth - 2) // 6
     regularizer = _regularizer(weight_decay)
     images = image_input(input_shape, name)
@@ -170,9 +166,7 @@ def resnet50(
     regularizer = _regularizer(weight_decay)
     images = image_input(input_shape, name)
     x = _conv_bn(images, 64, 7, 2, f"{name}_stem", dtype, regularizer)
-    x = keras.layers.MaxPooling2D(
-        3, strides=2, padding="same", dtype=dtype, name=f"{name}_stem_maxpool"
-    )(x)
+    x = keras.layers.MaxPooling2D(3, strides=2, padding="same", dtype=dtype, name=f"{name}_stem_maxpool")(x)
     stages = zip((64, 128, 256, 512), RESNET50_STAGE_BLOCKS)
     for stage, (filters, blocks) in enumerate(stages, start=1):
         for block in range(1, blocks + 1):

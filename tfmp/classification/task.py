@@ -2,7 +2,7 @@
 
 `train.train_and_evaluate(config)` runs it by default; `TASK` tells the shared plan/loop what
 is specific to classification: the model registry (`tfmp.models`), the datasets
-(`tfmp.data`), compiling a builder's model (float32 softmax head, sparse cross-entropy,
+(`tfmp.classification.data`), compiling a builder's model (float32 softmax head, sparse cross-entropy,
 accuracy) and the padded eval pipeline whose padding rows count nowhere.
 """
 
@@ -11,18 +11,24 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmp import data, fitting, models
+from tfmp import models
+from tfmp.classification import data
+from tfmp.training import fitting
 
 
-def compile_classifier(model: keras.Model, optimizer: keras.optimizers.Optimizer,
-                       strategy: tf.distribute.Strategy) -> keras.Model:
+def compile_classifier(
+    model: keras.Model, optimizer: keras.optimizers.Optimizer, strategy: tf.distribute.Strategy
+) -> keras.Model:
     """Compiles a tfmp classifier (float32 softmax head) as the apps train it, and builds its
     loss and metrics for (images, int labels) batches."""
     with strategy.scope():
         # The builders end in float32 probabilities; Keras losses compute in float32 too.
         # Accuracy is a *weighted* metric so that padded eval rows (weight 0) count nowhere.
-        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(),
-                      weighted_metrics=["accuracy"])
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(),
+            weighted_metrics=["accuracy"],
+        )
     spec = (tf.TensorSpec((None, *model.input_shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32))
     fitting.build_for_data(model, strategy, spec)
     return model
@@ -52,19 +58,41 @@ class ClassificationTask:
             # Resume: each input pipeline skips what it fed before the checkpoint.
             skip = start_step * config.global_batch_size // input_context.num_input_pipelines
             dataset, shard_policy = data.load(
-                config.dataset, "train", config.global_batch_size, image_size=config.image_size,
-                data_dir=config.data_dir, input_context=input_context, training=True, augment=config.augment,
-                cache=config.cache, seed=config.seed, skip_examples=skip)
+                config.dataset,
+                "train",
+                config.global_batch_size,
+                image_size=config.image_size,
+                data_dir=config.data_dir,
+                input_context=input_context,
+                training=True,
+                augment=config.augment,
+                cache=config.cache,
+                seed=config.seed,
+                skip_examples=skip,
+            )
             shard_policies.append(shard_policy)
             return data.with_threads(dataset, config.data_threads)
 
         def eval_input(input_context):
-            dataset = data.load(config.dataset, "eval", config.global_batch_size, image_size=config.image_size,
-                                data_dir=config.data_dir, input_context=input_context, training=False,
-                                cache=config.cache)[0]
+            dataset = data.load(
+                config.dataset,
+                "eval",
+                config.global_batch_size,
+                image_size=config.image_size,
+                data_dir=config.data_dir,
+                input_context=input_context,
+                training=False,
+                cache=config.cache,
+            )[0]
             # Eval batches are padded to full size with label -1: padded rows weigh (and count) 0.
-            dataset = dataset.map(lambda images, labels: (
-                images, tf.maximum(labels, 0), tf.cast(labels >= 0, tf.float32), tf.cast(labels >= 0, tf.float32)))
+            dataset = dataset.map(
+                lambda images, labels: (
+                    images,
+                    tf.maximum(labels, 0),
+                    tf.cast(labels >= 0, tf.float32),
+                    tf.cast(labels >= 0, tf.float32),
+                )
+            )
             return data.with_threads(dataset, config.data_threads)
 
         train_iterator = iter(strategy.distribute_datasets_from_function(train_input))
@@ -76,7 +104,7 @@ class ClassificationTask:
         info = plan.info
         return {
             "dataset": f"{config.dataset} {info.image_shape}, {info.num_classes} classes, "
-                       f"{info.train_examples} train / {info.eval_examples} eval",
+            f"{info.train_examples} train / {info.eval_examples} eval",
             "head dtype": model.layers[-1].dtype_policy.compute_dtype,
             "output dtype": model.output.dtype,
             "loss": "sparse categorical cross-entropy on float32 probabilities, metric accuracy",

@@ -1,6 +1,6 @@
 """Model parallelism: split a Keras model over devices and train it as a GPipe pipeline.
 
-    from tfmp import pipeline
+    from tfmp.pipeline import plan as pipeline
     devices = pipeline.stage_devices(2)                    # ["/CPU:0", "/CPU:1"], or 2 GPUs
     with tf.distribute.get_strategy().scope():             # the default strategy: one worker
         model = tfmp.models.build("seed_cnn", (32, 32, 3), 10)
@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from tfmp import models
 from tfmp.errors import UsageError, unknown
-from tfmp.pipeline_step import forward_fn, gradients_fn  # noqa: F401  (re-exported API)
+from tfmp.pipeline.step import forward_fn, gradients_fn  # noqa: F401  (re-exported API)
 
 BALANCES = ("flops", "params")
 
@@ -78,32 +78,47 @@ class Plan:
         """Rows per micro-batch; refuses a per-replica batch that M does not divide."""
         if per_replica_batch % self.micro_batches:
             lower = per_replica_batch // self.micro_batches * self.micro_batches
-            raise UsageError(f"--micro_batches={self.micro_batches} does not divide the per-replica batch "
-                             f"{per_replica_batch}; use a batch that is a multiple of {self.micro_batches} "
-                             f"(e.g. {lower or self.micro_batches}) or other micro-batches")
+            raise UsageError(
+                f"--micro_batches={self.micro_batches} does not divide the per-replica batch "
+                f"{per_replica_batch}; use a batch that is a multiple of {self.micro_batches} "
+                f"(e.g. {lower or self.micro_batches}) or other micro-batches"
+            )
         return per_replica_batch // self.micro_batches
 
     def describe(self) -> dict:
         """For the run card: each stage's device, layers, parameters and FLOPs, and the bubble."""
         return {
-            "stages": len(self.stages), "micro_batches": self.micro_batches, "balance": self.balance,
+            "stages": len(self.stages),
+            "micro_batches": self.micro_batches,
+            "balance": self.balance,
             "bubble": round(self.bubble, 4),
-            "per_stage": [{"device": s.device, "layers": f"{s.layers[0]}..{s.layers[-1]}",
-                           "num_layers": len(s.layers), "parameters": s.parameters,
-                           "flops_per_example": s.flops} for s in self.stages],
+            "per_stage": [
+                {
+                    "device": s.device,
+                    "layers": f"{s.layers[0]}..{s.layers[-1]}",
+                    "num_layers": len(s.layers),
+                    "parameters": s.parameters,
+                    "flops_per_example": s.flops,
+                }
+                for s in self.stages
+            ],
         }
 
 
 def stage_devices(stages: int) -> list[str]:
     """The first `stages` local devices: GPUs, else the logical CPUs of `distribute.split_cpu`."""
     if stages < 2:
-        raise UsageError(f"--pipeline_stages={stages}: a pipeline needs at least 2 stages; "
-                         "leave the flag out to train the model on one device")
+        raise UsageError(
+            f"--pipeline_stages={stages}: a pipeline needs at least 2 stages; "
+            "leave the flag out to train the model on one device"
+        )
     gpus = tf.config.list_logical_devices("GPU")
     devices = [device.name for device in (gpus or tf.config.list_logical_devices("CPU"))]
     if len(devices) < stages:
-        raise UsageError(f"--pipeline_stages={stages} needs {stages} devices, this host has {len(devices)}; "
-                         f"use at most {len(devices)} stages (or --cpu_replicas={stages} logical CPUs)")
+        raise UsageError(
+            f"--pipeline_stages={stages} needs {stages} devices, this host has {len(devices)}; "
+            f"use at most {len(devices)} stages (or --cpu_replicas={stages} logical CPUs)"
+        )
     return devices[:stages]
 
 
@@ -112,22 +127,35 @@ def _graph(model: keras.Model):
     output tensor ids, model input ids, model output ids); a Sequential's inner functional."""
     functional = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
     if functional is None or not hasattr(functional, "_nodes"):
-        raise UsageError(f"model {model.name!r} is not a functional or built Sequential model; a pipeline "
-                         "splits a layer graph (build the Sequential with keras.Input first)")
+        raise UsageError(
+            f"model {model.name!r} is not a functional or built Sequential model; a pipeline "
+            "splits a layer graph (build the Sequential with keras.Input first)"
+        )
     layers, inputs, outputs = [], [], []
     for layer in functional._operations:
         if isinstance(layer, keras.layers.InputLayer):
             continue
-        nodes = [node for index, node in enumerate(layer._inbound_nodes)
-                 if f"{id(layer)}_ib-{index}" in functional._nodes]
+        nodes = [
+            node
+            for index, node in enumerate(layer._inbound_nodes)
+            if f"{id(layer)}_ib-{index}" in functional._nodes
+        ]
         if len(nodes) != 1:
-            raise UsageError(f"layer {layer.name!r} is called {len(nodes)} times in model {model.name!r}; "
-                             "a pipeline needs every layer called once (shared layers cannot be split)")
+            raise UsageError(
+                f"layer {layer.name!r} is called {len(nodes)} times in model {model.name!r}; "
+                "a pipeline needs every layer called once (shared layers cannot be split)"
+            )
         layers.append(layer)
         inputs.append([id(t) for t in nodes[0].input_tensors])
         outputs.append([id(t) for t in nodes[0].output_tensors])
-    return (functional, layers, inputs, outputs, [id(t) for t in functional.inputs],
-            [id(t) for t in functional.outputs])
+    return (
+        functional,
+        layers,
+        inputs,
+        outputs,
+        [id(t) for t in functional.inputs],
+        [id(t) for t in functional.outputs],
+    )
 
 
 def _crossing(position, inputs, outputs, model_inputs, model_outputs) -> set:
@@ -162,8 +190,12 @@ def _balanced_cuts(costs: list[int], valid: list[int], stages: int) -> list[int]
                 if (i, s - 1) in best:
                     (worst, squares), cuts = best[(i, s - 1)]
                     cost = prefix[positions[j]] - prefix[positions[i]]
-                    options.append(((max(worst, cost), squares + cost * cost),
-                                    cuts + ([positions[j]] if j < len(positions) - 1 else [])))
+                    options.append(
+                        (
+                            (max(worst, cost), squares + cost * cost),
+                            cuts + ([positions[j]] if j < len(positions) - 1 else []),
+                        )
+                    )
             if options:
                 best[(j, s)] = min(options, key=lambda option: option[0])
     return best[(len(positions) - 1, stages)][1]
@@ -172,23 +204,28 @@ def _balanced_cuts(costs: list[int], valid: list[int], stages: int) -> list[int]
 def _named_cuts(boundaries, layers, valid, stages, model_name) -> list[int]:
     names = [layer.name for layer in layers]
     if len(boundaries) != stages - 1:
-        raise UsageError(f"{len(boundaries)} pipeline boundaries give {len(boundaries) + 1} stages, but "
-                         f"there are {stages} devices; name {stages - 1} layer(s) that start a new stage")
+        raise UsageError(
+            f"{len(boundaries)} pipeline boundaries give {len(boundaries) + 1} stages, but "
+            f"there are {stages} devices; name {stages - 1} layer(s) that start a new stage"
+        )
     cuts = []
     for name in boundaries:
         if name not in names:
             raise unknown(f"layer of model {model_name!r}", name, names)
         if names.index(name) not in valid:
-            raise UsageError(f"cannot start a pipeline stage at layer {name!r}: more than one tensor (a skip "
-                             "connection or a second input) crosses there; cut at a layer of a plain chain")
+            raise UsageError(
+                f"cannot start a pipeline stage at layer {name!r}: more than one tensor (a skip "
+                "connection or a second input) crosses there; cut at a layer of a plain chain"
+            )
         cuts.append(names.index(name))
     if cuts != sorted(set(cuts)):
         raise UsageError(f"pipeline boundaries {list(boundaries)} must be distinct and in layer order")
     return cuts
 
 
-def plan(model: keras.Model, devices, micro_batches: int = 4, boundaries=None,
-         balance: str = "flops") -> Plan:
+def plan(
+    model: keras.Model, devices, micro_batches: int = 4, boundaries=None, balance: str = "flops"
+) -> Plan:
     """Splits `model` into len(devices) stages; see the module docstring.
 
     `boundaries`: names of the layers that start stages 2..K (None: balance automatically by
@@ -207,15 +244,22 @@ def plan(model: keras.Model, devices, micro_batches: int = 4, boundaries=None,
     functional, layers, inputs, outputs, model_inputs, model_outputs = _graph(model)
     for layer in layers:
         if getattr(layer, "activity_regularizer", None) is not None:
-            raise UsageError(f"layer {layer.name!r} has an activity regularizer, which a pipeline cannot "
-                             "count per micro-batch; use a weight regularizer or no pipeline")
-    valid = [p for p in range(1, len(layers))
-             if len(_crossing(p, inputs, outputs, model_inputs, model_outputs)) == 1
-             and not _crossing(p, inputs, outputs, model_inputs, model_outputs) & set(model_inputs)]
+            raise UsageError(
+                f"layer {layer.name!r} has an activity regularizer, which a pipeline cannot "
+                "count per micro-batch; use a weight regularizer or no pipeline"
+            )
+    valid = [
+        p
+        for p in range(1, len(layers))
+        if len(_crossing(p, inputs, outputs, model_inputs, model_outputs)) == 1
+        and not _crossing(p, inputs, outputs, model_inputs, model_outputs) & set(model_inputs)
+    ]
     if len(devices) > len(valid) + 1:
-        raise UsageError(f"model {model.name!r} can be cut in only {len(valid) + 1} stages ({len(layers)} "
-                         f"layers, {len(valid)} places where one tensor crosses); use at most "
-                         f"{len(valid) + 1} devices")
+        raise UsageError(
+            f"model {model.name!r} can be cut in only {len(valid) + 1} stages ({len(layers)} "
+            f"layers, {len(valid)} places where one tensor crosses); use at most "
+            f"{len(valid) + 1} devices"
+        )
     if boundaries:
         cuts, balance = _named_cuts(list(boundaries), layers, valid, len(devices), model.name), "boundaries"
     else:
@@ -229,25 +273,38 @@ def _stages(functional, layers, cuts, devices) -> tuple[Stage, ...]:
     boundary = [functional.input] + [layers[cut].input for cut in cuts] + [functional.output]
     stages = []
     for index, device in enumerate(devices):
-        members = layers[edges[index]:edges[index + 1]]
+        members = layers[edges[index] : edges[index + 1]]
         sub_model = keras.Model(boundary[index], boundary[index + 1], name=f"pipeline_stage_{index}")
-        activations = sum(math.prod(tensor.shape[1:]) for layer in members
-                          for tensor in tf.nest.flatten(layer.output))
-        stages.append(Stage(index, device, tuple(layer.name for layer in members), sub_model,
-                            sum(math.prod(w.shape) for layer in members for w in layer.weights),
-                            sum(_layer_cost(layer, "flops") for layer in members), int(activations)))
+        activations = sum(
+            math.prod(tensor.shape[1:]) for layer in members for tensor in tf.nest.flatten(layer.output)
+        )
+        stages.append(
+            Stage(
+                index,
+                device,
+                tuple(layer.name for layer in members),
+                sub_model,
+                sum(math.prod(w.shape) for layer in members for w in layer.weights),
+                sum(_layer_cost(layer, "flops") for layer in members),
+                int(activations),
+            )
+        )
     return tuple(stages)
 
 
 def _check_strategy(strategy: tf.distribute.Strategy) -> None:
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        raise UsageError("a pipeline under MultiWorkerMirroredStrategy is not supported: it makes every "
-                         "variable a MirroredVariable on its replica device and has no replica spanning "
-                         "several devices; run the pipeline on one worker (the default strategy)")
+        raise UsageError(
+            "a pipeline under MultiWorkerMirroredStrategy is not supported: it makes every "
+            "variable a MirroredVariable on its replica device and has no replica spanning "
+            "several devices; run the pipeline on one worker (the default strategy)"
+        )
     if strategy.num_replicas_in_sync > 1 or isinstance(strategy, tf.distribute.OneDeviceStrategy):
-        raise UsageError(f"a pipeline cannot run under {type(strategy).__name__}: it places every variable "
-                         "on its own replica devices, which are the pipeline's stages; use the default "
-                         "strategy (--strategy=default) with --pipeline_stages")
+        raise UsageError(
+            f"a pipeline cannot run under {type(strategy).__name__}: it places every variable "
+            "on its own replica devices, which are the pipeline's stages; use the default "
+            "strategy (--strategy=default) with --pipeline_stages"
+        )
 
 
 def place(model: keras.Model, plan: Plan) -> keras.Model:
@@ -262,8 +319,10 @@ def place(model: keras.Model, plan: Plan) -> keras.Model:
     _check_strategy(tf.distribute.get_strategy())
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
-        raise UsageError(f"model {model.name!r}'s optimizer is already built next to the unplaced variables; "
-                         "call pipeline.place before model.compile")
+        raise UsageError(
+            f"model {model.name!r}'s optimizer is already built next to the unplaced variables; "
+            "call pipeline.place before model.compile"
+        )
     for stage in plan.stages:
         for name in stage.layers:
             for variable in model.get_layer(name).variables:

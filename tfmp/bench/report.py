@@ -8,18 +8,27 @@ Every ratio divides two cells of the same run: speedup vs the float32 cell, scal
 vs the 1-replica (or 1-worker) cell, tfmp engine vs plain Keras fit, real input vs synthetic
 tensors, achieved model FLOP/s vs the matmul peak of the same precision. The optional studies
 add their own rows: "pipeline" (each K=2, M row of the pipeline cell: throughput relative to
-the unsplit model, bubble measured and in theory) and "threads" (`tfmp.bench_threads.rows`).
+the unsplit model, bubble measured and in theory) and "threads" (`tfmp.bench.threads.rows`).
 """
 
 from __future__ import annotations
 
-from tfmp import bench_pipeline, bench_threads
+from tfmp.bench import pipeline as bench_pipeline
+from tfmp.bench import threads as bench_threads
 
 
 def _key(cell: dict, **changes) -> tuple:
     values = dict(cell, **changes)
-    return (values["model"], values["precision"], values.get("tf32", True), values["xla"],
-            values["mode"], values["data"], values["replicas"], values["workers"])
+    return (
+        values["model"],
+        values["precision"],
+        values.get("tf32", True),
+        values["xla"],
+        values["mode"],
+        values["data"],
+        values["replicas"],
+        values["workers"],
+    )
 
 
 def _main_cells(cells: list[dict]) -> list[dict]:
@@ -29,16 +38,27 @@ def _main_cells(cells: list[dict]) -> list[dict]:
 def derive(cells: list[dict]) -> dict:
     peaks = {c["precision"]: c["result"]["peak_flops"] for c in cells if c["kind"] == "peak"}
     main = {_key(c): c for c in _main_cells(cells)}
-    ratios = {"speedup_vs_float32": [], "scaling_efficiency": [], "flops_fraction_of_peak": [],
-              "engine_vs_keras_fit": [], "input_vs_synthetic": []}
+    ratios = {
+        "speedup_vs_float32": [],
+        "scaling_efficiency": [],
+        "flops_fraction_of_peak": [],
+        "engine_vs_keras_fit": [],
+        "input_vs_synthetic": [],
+    }
 
     def throughput(key):
         return main[key]["result"]["examples_per_sec"] if key in main else None
 
     for key, cell in main.items():
         result, derived = cell["result"], {}
-        label = {"model": cell["model"], "precision": cell["precision"], "tf32": cell.get("tf32", True), "xla": cell["xla"],
-                 "replicas": cell["replicas"], "workers": cell["workers"]}
+        label = {
+            "model": cell["model"],
+            "precision": cell["precision"],
+            "tf32": cell.get("tf32", True),
+            "xla": cell["xla"],
+            "replicas": cell["replicas"],
+            "workers": cell["workers"],
+        }
         if result["policy"] in peaks:
             derived["flops_fraction_of_peak"] = result["flops_per_sec"] / peaks[result["policy"]]
             ratios["flops_fraction_of_peak"].append(dict(label, value=derived["flops_fraction_of_peak"]))
@@ -54,15 +74,25 @@ def derive(cells: list[dict]) -> dict:
         cell["derived"] = derived
     for cell in cells:
         if cell["kind"] == "fit" and throughput(_key(cell)):
-            ratios["engine_vs_keras_fit"].append(dict(
-                model=cell["model"], precision=cell["precision"], xla=cell["xla"],
-                value=throughput(_key(cell)) / cell["result"]["examples_per_sec"]))
+            ratios["engine_vs_keras_fit"].append(
+                dict(
+                    model=cell["model"],
+                    precision=cell["precision"],
+                    xla=cell["xla"],
+                    value=throughput(_key(cell)) / cell["result"]["examples_per_sec"],
+                )
+            )
         if cell.get("reference") == "input":
             real = throughput(_key(cell, data=_real_data(cells, cell)))
             if real:
-                ratios["input_vs_synthetic"].append(dict(
-                    model=cell["model"], precision=cell["precision"], xla=cell["xla"],
-                    value=real / cell["result"]["examples_per_sec"]))
+                ratios["input_vs_synthetic"].append(
+                    dict(
+                        model=cell["model"],
+                        precision=cell["precision"],
+                        xla=cell["xla"],
+                        value=real / cell["result"]["examples_per_sec"],
+                    )
+                )
     ratios["pipeline"] = _pipeline_rows(cells)
     ratios["threads"] = bench_threads.rows(cells)
     return ratios
@@ -74,9 +104,16 @@ def _pipeline_rows(cells: list[dict]) -> list[dict]:
     for cell in cells:
         if cell["kind"] == "pipeline" and "result" in cell:
             for row in cell["result"]["rows"][1:]:
-                result.append({"model": cell["model"], "stages": row["stages"], "micro_batches": row["micro_batches"],
-                               "value": row["relative"], "bubble_theory": row["bubble_theory"],
-                               "bubble_measured": row["bubble_measured"]})
+                result.append(
+                    {
+                        "model": cell["model"],
+                        "stages": row["stages"],
+                        "micro_batches": row["micro_batches"],
+                        "value": row["relative"],
+                        "bubble_theory": row["bubble_theory"],
+                        "bubble_measured": row["bubble_measured"],
+                    }
+                )
     return result
 
 
@@ -90,41 +127,75 @@ def _devices(cell: dict) -> str:
 
 def table(cells: list[dict], ratios: dict) -> str:
     """NVIDIA-style table of the engine cells, then the peaks and the reference ratios."""
-    header = ("model", "devices", "xla", "precision", "policy", "examples/s", "spread", "per replica",
-              "step ms p50/p90", "TFLOP/s", "% peak", "vs fp32", "scaling", "host MB")
+    header = (
+        "model",
+        "devices",
+        "xla",
+        "precision",
+        "policy",
+        "examples/s",
+        "spread",
+        "per replica",
+        "step ms p50/p90",
+        "TFLOP/s",
+        "% peak",
+        "vs fp32",
+        "scaling",
+        "host MB",
+    )
     rows = []
     for cell in _main_cells(cells):
         result, derived = cell["result"], cell.get("derived", {})
-        rows.append((
-            cell["model"], _devices(cell), "on" if cell["xla"] else "off",
-            cell["precision"] + ("" if cell.get("tf32", True) else " (tf32 off)"),
-            result["policy"], f"{result['examples_per_sec']:,.0f}",
-            f"{result['examples_per_sec_min']:,.0f}-{result['examples_per_sec_max']:,.0f}",
-            f"{result['examples_per_sec_per_replica']:,.0f}",
-            f"{1000 * result['step_time_median']:.1f}/{1000 * result['step_time_p90']:.1f}",
-            f"{result['flops_per_sec'] / 1e12:.3f}",
-            _percent(derived.get("flops_fraction_of_peak")),
-            _times(derived.get("speedup_vs_float32")), _percent(derived.get("scaling_efficiency")),
-            f"{result['peak_host_memory_mb']:,.0f}"))
+        rows.append(
+            (
+                cell["model"],
+                _devices(cell),
+                "on" if cell["xla"] else "off",
+                cell["precision"] + ("" if cell.get("tf32", True) else " (tf32 off)"),
+                result["policy"],
+                f"{result['examples_per_sec']:,.0f}",
+                f"{result['examples_per_sec_min']:,.0f}-{result['examples_per_sec_max']:,.0f}",
+                f"{result['examples_per_sec_per_replica']:,.0f}",
+                f"{1000 * result['step_time_median']:.1f}/{1000 * result['step_time_p90']:.1f}",
+                f"{result['flops_per_sec'] / 1e12:.3f}",
+                _percent(derived.get("flops_fraction_of_peak")),
+                _times(derived.get("speedup_vs_float32")),
+                _percent(derived.get("scaling_efficiency")),
+                f"{result['peak_host_memory_mb']:,.0f}",
+            )
+        )
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for cell in cells:
         if cell["kind"] == "peak":
-            lines.append(f"matmul peak {cell['precision']} ({cell['result']['dtype']}, "
-                         f"{cell['result']['matmul_size']}^2): {cell['result']['peak_flops'] / 1e12:.3f} TFLOP/s")
-    for name, title in (("engine_vs_keras_fit", "tfmp engine / Keras fit"),
-                        ("input_vs_synthetic", "real input / synthetic tensors")):
+            lines.append(
+                f"matmul peak {cell['precision']} ({cell['result']['dtype']}, "
+                f"{cell['result']['matmul_size']}^2): {cell['result']['peak_flops'] / 1e12:.3f} TFLOP/s"
+            )
+    for name, title in (
+        ("engine_vs_keras_fit", "tfmp engine / Keras fit"),
+        ("input_vs_synthetic", "real input / synthetic tensors"),
+    ):
         for ratio in ratios[name]:
-            lines.append(f"{title}: {ratio['model']} {ratio['precision']} xla={'on' if ratio['xla'] else 'off'}: "
-                         f"{ratio['value']:.3f}")
+            lines.append(
+                f"{title}: {ratio['model']} {ratio['precision']} xla={'on' if ratio['xla'] else 'off'}: "
+                f"{ratio['value']:.3f}"
+            )
     for cell in cells:
         if cell["kind"] == "pipeline":
-            lines += ["", f"pipeline: {cell['model']} {cell['result']['rows'][0]['policy']}, global batch "
-                          f"{cell['global_batch_size']}, K=2 stages vs the unsplit model (rel)",
-                      bench_pipeline.table(cell["result"]["rows"])]
+            lines += [
+                "",
+                f"pipeline: {cell['model']} {cell['result']['rows'][0]['policy']}, global batch "
+                f"{cell['global_batch_size']}, K=2 stages vs the unsplit model (rel)",
+                bench_pipeline.table(cell["result"]["rows"]),
+            ]
     if ratios.get("threads"):
-        lines += ["", "compute parallelism (baseline / variant, same run):", bench_threads.table(ratios["threads"])]
+        lines += [
+            "",
+            "compute parallelism (baseline / variant, same run):",
+            bench_threads.table(ratios["threads"]),
+        ]
     return "\n".join(lines)
 
 
@@ -156,8 +227,11 @@ def chart(cells: list[dict], path: str) -> str | None:
         for offset, name in enumerate(precisions):
             values = []
             for group in groups:
-                match = [c for c in mine if c["precision"] == name
-                         and f"{_devices(c)}{' xla' if c['xla'] else ''}" == group]
+                match = [
+                    c
+                    for c in mine
+                    if c["precision"] == name and f"{_devices(c)}{' xla' if c['xla'] else ''}" == group
+                ]
                 values.append(match[0]["result"]["examples_per_sec"] if match else 0)
             axis.bar([i + offset * width for i in range(len(groups))], values, width, label=name)
         axis.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, fontsize=8)

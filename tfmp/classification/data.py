@@ -42,7 +42,7 @@ import os
 import tensorflow as tf
 from absl import logging
 
-from tfmp import drawing
+from tfmp.classification import drawing
 from tfmp.errors import UsageError, unknown
 
 SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES = 12_000, 2_000
@@ -68,8 +68,18 @@ class DatasetInfo:
     class_names: tuple[str, ...] | None = None  # label index -> name, where the dataset has names
 
 
-SHAPES_CLASS_NAMES = ("circle", "square", "triangle", "diamond", "plus", "ring", "horizontal_bar",
-                      "vertical_bar", "ellipse", "x")  # the order of drawing.draw_shape's classes
+SHAPES_CLASS_NAMES = (
+    "circle",
+    "square",
+    "triangle",
+    "diamond",
+    "plus",
+    "ring",
+    "horizontal_bar",
+    "vertical_bar",
+    "ellipse",
+    "x",
+)  # the order of drawing.draw_shape's classes
 DIGITS_CLASS_NAMES = tuple(str(digit) for digit in range(10))
 
 
@@ -98,11 +108,14 @@ def _parse(spec):
 def _image_size(kind, image_size):
     if image_size is None:
         return DEFAULT_IMAGE_SIZE.get(kind)
-    if isinstance(image_size, bool) or not isinstance(image_size, int) or not (
-        MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE
+    if (
+        isinstance(image_size, bool)
+        or not isinstance(image_size, int)
+        or not (MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE)
     ):
-        raise UsageError(f"bad image_size {image_size!r}; "
-                         f"use an integer from {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}")
+        raise UsageError(
+            f"bad image_size {image_size!r}; use an integer from {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}"
+        )
     return image_size
 
 
@@ -146,8 +159,15 @@ def _builtin_source(spec, kind, split, size):
             image = tf.clip_by_value(tf.image.resize(image, shape[:2], antialias=True), 0.0, 1.0)
         return image, tf.cast(index % 10, tf.int32)  # index % 10: exactly balanced classes
 
-    return _Source(info, num_examples, 0, lambda *_: tf.data.Dataset.range(num_examples), decode,
-                   num_examples, flip_ok=kind != "digits")
+    return _Source(
+        info,
+        num_examples,
+        0,
+        lambda *_: tf.data.Dataset.range(num_examples),
+        decode,
+        num_examples,
+        flip_ok=kind != "digits",
+    )
 
 
 # ----------------------------------------------------------------------------- TFDS
@@ -165,9 +185,12 @@ def _tfds_source(spec, name, split, size, data_dir):
     info = builder.info
     image_key, label_key = info.supervised_keys if info.supervised_keys else ("image", "label")
     features = info.features
-    if not (image_key in features.keys() and isinstance(features[image_key], tfds.features.Image)
-            and label_key in features.keys()
-            and isinstance(features[label_key], tfds.features.ClassLabel)):
+    if not (
+        image_key in features.keys()
+        and isinstance(features[image_key], tfds.features.Image)
+        and label_key in features.keys()
+        and isinstance(features[label_key], tfds.features.ClassLabel)
+    ):
         raise UsageError(f"tfds dataset {name!r} is not image classification (no image/label)")
     native_shape = features[image_key].shape
     if size is None and None in native_shape[:2]:
@@ -188,14 +211,22 @@ def _tfds_source(spec, name, split, size, data_dir):
         # Images stay encoded (SkipDecoding) until after shuffle/skip; see module docstring.
         read_config = tfds.ReadConfig(input_context=file_shard_context, shuffle_seed=shuffle_seed)
         try:
-            return tfds.load(name, split=tfds_split, data_dir=data_dir, as_supervised=True,
-                             download=False, read_config=read_config,
-                             shuffle_files=shuffle_seed is not None,
-                             decoders={image_key: tfds.decode.SkipDecoding()})
+            return tfds.load(
+                name,
+                split=tfds_split,
+                data_dir=data_dir,
+                as_supervised=True,
+                download=False,
+                read_config=read_config,
+                shuffle_files=shuffle_seed is not None,
+                decoders={image_key: tfds.decode.SkipDecoding()},
+            )
         except AssertionError as error:  # TFDS's "could not find data in ..."
-            raise UsageError(f"tfds dataset {name!r} is not prepared in data_dir {data_dir!r}; "
-                             f"run `tfds build {name} --data_dir DIR` where there is internet "
-                             "and pass that DIR") from error
+            raise UsageError(
+                f"tfds dataset {name!r} is not prepared in data_dir {data_dir!r}; "
+                f"run `tfds build {name} --data_dir DIR` where there is internet "
+                "and pass that DIR"
+            ) from error
 
     def decode(encoded, label):
         image = tf.image.convert_image_dtype(image_feature.decode_example(encoded), tf.float32)
@@ -204,8 +235,13 @@ def _tfds_source(spec, name, split, size, data_dir):
         return image, tf.cast(label, tf.int32)
 
     channels = native_shape[2] or 3
-    info = DatasetInfo(spec, (height, width, channels), features[label_key].num_classes, *counts,
-                       class_names=tuple(features[label_key].names))
+    info = DatasetInfo(
+        spec,
+        (height, width, channels),
+        features[label_key].num_classes,
+        *counts,
+        class_names=tuple(features[label_key].names),
+    )
     num_examples = counts[SPLITS.index(split)]
     num_files = split_infos[SPLITS.index(split)].num_shards if splits else 0
     buffer = min(num_examples or TFDS_SHUFFLE_BUFFER, TFDS_SHUFFLE_BUFFER)
@@ -217,12 +253,16 @@ def _folder_source(spec, path, split, size):
     root = os.path.expanduser(path)
     if not tf.io.gfile.isdir(root):
         raise UsageError(f"dataset folder {path!r} does not exist (or is not a folder)")
-    eval_dir = next((d for d in ("val", "validation", "test")
-                     if tf.io.gfile.isdir(os.path.join(root, d))), None)
+    eval_dir = next(
+        (d for d in ("val", "validation", "test") if tf.io.gfile.isdir(os.path.join(root, d))), None
+    )
     split_dirs = tf.io.gfile.isdir(os.path.join(root, "train")) and eval_dir
     class_root = os.path.join(root, "train") if split_dirs else root
-    classes = sorted(d.rstrip("/") for d in tf.io.gfile.listdir(class_root)
-                     if tf.io.gfile.isdir(os.path.join(class_root, d)))
+    classes = sorted(
+        d.rstrip("/")
+        for d in tf.io.gfile.listdir(class_root)
+        if tf.io.gfile.isdir(os.path.join(class_root, d))
+    )
 
     def files(directory, holdout):  # holdout: None = all files, True/False = eval/train part
         found = []
@@ -230,8 +270,11 @@ def _folder_source(spec, path, split, size):
             folder = os.path.join(directory, name)
             names = sorted(tf.io.gfile.listdir(folder)) if tf.io.gfile.isdir(folder) else []
             names = [n for n in names if n.lower().endswith(IMAGE_EXTENSIONS)]
-            found += [(os.path.join(folder, n), label) for i, n in enumerate(names)
-                      if holdout is None or (i % 10 == 9) == holdout]
+            found += [
+                (os.path.join(folder, n), label)
+                for i, n in enumerate(names)
+                if holdout is None or (i % 10 == 9) == holdout
+            ]
         return found
 
     if split_dirs:
@@ -239,37 +282,50 @@ def _folder_source(spec, path, split, size):
     else:
         train, evaluation = files(root, False), files(root, True)
     if not train:
-        raise UsageError(f"dataset folder {path!r} has no images in class sub-folders "
-                         f"(expected {path}/<class>/*.png|jpg|bmp|gif)")
-    info = DatasetInfo(spec, (size, size, 3), len(classes), len(train), len(evaluation),
-                       class_names=tuple(classes))
+        raise UsageError(
+            f"dataset folder {path!r} has no images in class sub-folders "
+            f"(expected {path}/<class>/*.png|jpg|bmp|gif)"
+        )
+    info = DatasetInfo(
+        spec, (size, size, 3), len(classes), len(train), len(evaluation), class_names=tuple(classes)
+    )
     chosen = train if split == "train" else evaluation
     if not chosen:
-        raise UsageError(f"dataset folder {path!r} has no {split} images (the hold-out takes "
-                         "every 10th file of a class; or add train/ and val/ sub-folders)")
+        raise UsageError(
+            f"dataset folder {path!r} has no {split} images (the hold-out takes "
+            "every 10th file of a class; or add train/ and val/ sub-folders)"
+        )
     paths, labels = [p for p, _ in chosen], [label for _, label in chosen]
 
     def decode(file_path, label):
         raw = tf.io.decode_image(tf.io.read_file(file_path), channels=3, expand_animations=False)
-        image = tf.image.resize(tf.image.convert_image_dtype(raw, tf.float32), (size, size),
-                                antialias=True)
+        image = tf.image.resize(tf.image.convert_image_dtype(raw, tf.float32), (size, size), antialias=True)
         return tf.clip_by_value(image, 0.0, 1.0), tf.cast(label, tf.int32)
 
     def examples(file_shard_context, _):  # one file per example: sharding files = sharding data
         dataset = tf.data.Dataset.from_tensor_slices((paths, labels))
         if file_shard_context is None:
             return dataset
-        return dataset.shard(file_shard_context.num_input_pipelines,
-                             file_shard_context.input_pipeline_id)
+        return dataset.shard(file_shard_context.num_input_pipelines, file_shard_context.input_pipeline_id)
 
     return _Source(info, len(chosen), len(chosen), examples, decode, max(len(chosen), 1))
 
 
 # ----------------------------------------------------------------------------- the pipeline
-def load(spec: str, split: str, global_batch_size: int, *, image_size: int | None = None,
-         data_dir: str | None = None, input_context: tf.distribute.InputContext | None = None,
-         training: bool = True, augment: bool = False, cache: bool = False, seed: int = 0,
-         skip_examples: int = 0) -> tuple[tf.data.Dataset, str]:
+def load(
+    spec: str,
+    split: str,
+    global_batch_size: int,
+    *,
+    image_size: int | None = None,
+    data_dir: str | None = None,
+    input_context: tf.distribute.InputContext | None = None,
+    training: bool = True,
+    augment: bool = False,
+    cache: bool = False,
+    seed: int = 0,
+    skip_examples: int = 0,
+) -> tuple[tf.data.Dataset, str]:
     """Returns (batched dataset of (image, label), shard policy "OFF" | "FILE" | "DATA").
 
     With `input_context` (from `strategy.distribute_datasets_from_function`) batches are
@@ -279,8 +335,11 @@ def load(spec: str, split: str, global_batch_size: int, *, image_size: int | Non
     replica, so no replica or worker runs short (`Engine.evaluate` ignores the padding).
     """
     source = _source(spec, split, image_size, data_dir)
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or (
-            global_batch_size < 1):
+    if (
+        isinstance(global_batch_size, bool)
+        or not isinstance(global_batch_size, int)
+        or (global_batch_size < 1)
+    ):
         raise UsageError(f"bad global_batch_size {global_batch_size!r}; use a positive integer")
     if not isinstance(skip_examples, int) or skip_examples < 0:
         raise UsageError(f"bad skip_examples {skip_examples!r}; use an integer >= 0")
@@ -304,15 +363,30 @@ def load(spec: str, split: str, global_batch_size: int, *, image_size: int | Non
     else:
         files = f"only {source.num_files} files" if source.num_files else "no files (generated)"
         policy, why = "DATA", f"{files} for {pipelines} pipelines: each takes every n-th example"
-    logging.info("tfmp.data: %s %s split: shard policy %s for %d input pipeline(s) (%s)",
-                 spec, split, policy, pipelines, why)
+    logging.info(
+        "tfmp.classification.data: %s %s split: shard policy %s for %d input pipeline(s) (%s)",
+        spec,
+        split,
+        policy,
+        pipelines,
+        why,
+    )
 
     if spec == "synthetic":
         dataset = _synthetic(source, batch_size, training, seed + 7919 * pipeline_id, input_context)
     else:
-        dataset = _pipeline(source, policy, input_context, batch_size, training=training,
-                            augment=augment, cache=cache, seed=seed, skip_examples=skip_examples,
-                            file_level=policy == "FILE" and spec.startswith("tfds:"))
+        dataset = _pipeline(
+            source,
+            policy,
+            input_context,
+            batch_size,
+            training=training,
+            augment=augment,
+            cache=cache,
+            seed=seed,
+            skip_examples=skip_examples,
+            file_level=policy == "FILE" and spec.startswith("tfds:"),
+        )
     options = tf.data.Options()
     options.deterministic = True  # parallel maps keep order: runs are reproducible
     # tfmp shards itself (above); tf.distribute must not shard a second time.
@@ -320,8 +394,9 @@ def load(spec: str, split: str, global_batch_size: int, *, image_size: int | Non
     return dataset.with_options(options), policy
 
 
-def _pipeline(source, policy, input_context, batch_size, *, training, augment, cache, seed,
-              skip_examples, file_level):
+def _pipeline(
+    source, policy, input_context, batch_size, *, training, augment, cache, seed, skip_examples, file_level
+):
     # Two ways to split the stream between input pipelines (workers):
     # - late (training, DATA or per-example files, no cache): every pipeline shuffles the same
     #   cheap stream with the same seed, then takes every n-th example. Each global batch is then
@@ -377,7 +452,8 @@ def _pad_to_full_batches(dataset, source, input_context, batch_size):
     steps = math.ceil(math.ceil(total / pipelines) / examples_per_step)
     image_shape = source.info.image_shape
     padding = tf.data.Dataset.from_tensors(
-        (tf.zeros(image_shape, tf.float32), tf.constant(-1, tf.int32))).repeat()
+        (tf.zeros(image_shape, tf.float32), tf.constant(-1, tf.int32))
+    ).repeat()
     dataset = dataset.map(lambda image, label: (tf.ensure_shape(image, image_shape), label))
     return dataset.concatenate(padding).take(steps * examples_per_step)
 

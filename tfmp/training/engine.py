@@ -71,26 +71,39 @@ def _rows(x):
 class Engine:
     """Owns the compiled train, eval and predict functions for one compiled model and strategy."""
 
-    def __init__(self, strategy: tf.distribute.Strategy, model: keras.Model,
-                 optimizer: keras.optimizers.Optimizer | None = None, *, xla: bool = False,
-                 gradients=None, forward=None):
+    def __init__(
+        self,
+        strategy: tf.distribute.Strategy,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer | None = None,
+        *,
+        xla: bool = False,
+        gradients=None,
+        forward=None,
+    ):
         """`gradients(engine, x, y, sample_weight) -> (y_pred, loss, gradients)` replaces the
         one-tape forward/backward pass (a pipeline computes it stage by stage); the loss it
         returns is unscaled and the gradients are those of `optimizer.scale_loss(loss)`.
         `forward(engine, x, training) -> y_pred` replaces the eval/predict forward pass (a
         pipeline's runs stage by stage, each stage compiled on its own device with XLA)."""
         if not getattr(model, "compiled", False) or model.optimizer is None:
-            raise UsageError(f"model {model.name!r} is not compiled; call model.compile(optimizer, loss, "
-                             "metrics) inside the strategy's scope first")
+            raise UsageError(
+                f"model {model.name!r} is not compiled; call model.compile(optimizer, loss, "
+                "metrics) inside the strategy's scope first"
+            )
         self.strategy = strategy
         self.model = model
         self.optimizer = optimizer or model.optimizer
         self.xla = xla
         with strategy.scope():
             self.optimizer.build(model.trainable_variables)
-            self._status = tf.Variable(tf.zeros([_SLOTS], tf.float32), trainable=False, name="engine_status",
-                                       synchronization=tf.VariableSynchronization.ON_READ,
-                                       aggregation=tf.VariableAggregation.SUM)
+            self._status = tf.Variable(
+                tf.zeros([_SLOTS], tf.float32),
+                trainable=False,
+                name="engine_status",
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM,
+            )
         if forward is not None:
             self._forward = lambda x, training: forward(self, x, training)
         else:
@@ -106,15 +119,17 @@ class Engine:
 
     def _loss(self, x, y, y_pred, sample_weight, training):
         """The model's compiled loss for this replica, already divided for the replica count."""
-        return self.model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                       training=training)
+        return self.model.compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        )
 
     def _track(self, loss, rows, finite, x, y, y_pred, sample_weight):
         """Keras' loss tracker (weighted by real rows; skipped steps count nowhere) and metrics."""
         unscaled = keras_loss.unscale_loss_for_distribution(tf.cast(loss, tf.float32))
         rows = tf.cast(rows, tf.float32)
-        self.model._loss_tracker.update_state(tf.where(finite, unscaled, 0.0),
-                                              sample_weight=tf.where(finite, rows, 0.0))
+        self.model._loss_tracker.update_state(
+            tf.where(finite, unscaled, 0.0), sample_weight=tf.where(finite, rows, 0.0)
+        )
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _forward_backward(self, x, y, sample_weight):
@@ -130,8 +145,10 @@ class Engine:
         y_pred, loss, gradients = self._gradients(x, y, sample_weight)
         # The loss alone can look finite when the gradients are not (cross-entropy clips NaN
         # probabilities), so the stop/skip statistics check the gradients themselves.
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None]
-                               + [tf.math.is_finite(tf.cast(loss, tf.float32))])
+        finite = tf.reduce_all(
+            [tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None]
+            + [tf.math.is_finite(tf.cast(loss, tf.float32))]
+        )
         self.optimizer.apply(gradients, self.model.trainable_variables)
         self._track(loss, _rows(x), finite, x, y, y_pred, sample_weight)
         self._status.assign_add(tf.stack([tf.where(finite, 0.0, 1.0), tf.cast(stop_requested, tf.float32)]))
@@ -168,15 +185,19 @@ class Engine:
             # Collective all-gathers (multi-worker) take no bool tensors: carry them as int32.
             booleans.append(tf.nest.map_structure(lambda value: value.dtype == tf.bool, data))
             gatherable = tf.nest.map_structure(
-                lambda value: tf.cast(value, tf.int32) if value.dtype == tf.bool else value, data)
+                lambda value: tf.cast(value, tf.int32) if value.dtype == tf.bool else value, data
+            )
             return self._forward(_unpack(data)[0], False), gatherable
 
         outputs, inputs = self.strategy.run(replica_fn, args=(data,))
         # Every worker gets every replica's rows, each output next to the input row it came from.
         # Leaf by leaf: TF 2.21's gather of a nested structure drops rows of its later leaves.
         gather = lambda value: self.strategy.gather(value, axis=0)  # noqa: E731
-        inputs = tf.nest.map_structure(lambda value, boolean: tf.cast(gather(value), tf.bool) if boolean
-                                       else gather(value), inputs, booleans[0])
+        inputs = tf.nest.map_structure(
+            lambda value, boolean: tf.cast(gather(value), tf.bool) if boolean else gather(value),
+            inputs,
+            booleans[0],
+        )
         return tf.nest.map_structure(gather, outputs), inputs
 
     def _results(self) -> dict:
@@ -197,8 +218,9 @@ class Engine:
         `stop_requested` (this worker got SIGTERM) shows up on every worker as
         `StepResult.stop_requests > 0`, so all of them can checkpoint at the same step.
         """
-        self._train_fn(iterator, tf.constant(num_steps, tf.int64),
-                       tf.constant(float(stop_requested), tf.float32))
+        self._train_fn(
+            iterator, tf.constant(num_steps, tf.int64), tf.constant(float(stop_requested), tf.float32)
+        )
         nonfinite, stops = self._read_status()
         return StepResult(self._results(), float(nonfinite), float(stops))
 
@@ -229,6 +251,7 @@ class Engine:
         batches = [self._predict_fn(data) for data in distributed_dataset]
         if not batches:
             return None, None
-        concatenated = tf.nest.map_structure(lambda *parts: np.concatenate([p.numpy() for p in parts]),
-                                             *batches)
+        concatenated = tf.nest.map_structure(
+            lambda *parts: np.concatenate([p.numpy() for p in parts]), *batches
+        )
         return concatenated

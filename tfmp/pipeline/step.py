@@ -51,9 +51,11 @@ def _check_rows(x, plan) -> None:
 
 def _stage_calls(plan, xla: bool):
     """Each stage's forward function, jit-compiled per stage when the engine uses XLA."""
+
     def call(stage):
         function = lambda inputs: stage.model(inputs, training=True)  # noqa: E731
         return tf.function(function, jit_compile=True) if xla else function
+
     return [call(stage) for stage in plan.stages]
 
 
@@ -65,10 +67,12 @@ def forward_fn(plan):
     def forward(engine, x, training):
         key = (bool(engine.xla), bool(training))
         if key not in cache:
-            cache[key] = [tf.function(lambda inputs, s=stage: s.model(inputs, training=training),
-                                      jit_compile=True) if engine.xla else
-                          (lambda inputs, s=stage: s.model(inputs, training=training))
-                          for stage in plan.stages]
+            cache[key] = [
+                tf.function(lambda inputs, s=stage: s.model(inputs, training=training), jit_compile=True)
+                if engine.xla
+                else (lambda inputs, s=stage: s.model(inputs, training=training))
+                for stage in plan.stages
+            ]
         for stage, call in zip(plan.stages, cache[key]):
             with tf.device(stage.device):
                 x = call(x)
@@ -86,8 +90,10 @@ def _stage_variables(plan, model):
     indices = [[] for _ in plan.stages]
     for position, variable in enumerate(model.trainable_variables):
         if id(variable) not in owner:
-            raise UsageError(f"trainable variable {variable.path} belongs to no pipeline stage; "
-                             "a pipeline trains the variables of the model's layers only")
+            raise UsageError(
+                f"trainable variable {variable.path} belongs to no pipeline stage; "
+                "a pipeline trains the variables of the model's layers only"
+            )
         indices[owner[id(variable)]].append(position)
     return indices
 
@@ -125,9 +131,11 @@ def _backward(plan, variables, tapes, entering, outputs, scaled, regularised):
                 result = tapes[k].gradient(outputs[k], sources, output_gradients=upstream)
                 if regularised:  # the penalties on this stage's weights were taken in the last tape
                     penalty = tapes[-1].gradient(scaled, own)
-                    result = [g if p is None else (p if g is None else g + p)
-                              for g, p in zip(result, list(penalty) + [None])]
-        gradients[k], upstream = result[:len(own)], (result[len(own)] if k else None)
+                    result = [
+                        g if p is None else (p if g is None else g + p)
+                        for g, p in zip(result, list(penalty) + [None])
+                    ]
+        gradients[k], upstream = result[: len(own)], (result[len(own)] if k else None)
     return gradients
 
 
@@ -142,8 +150,9 @@ def gradients_fn(plan):
 
     def compute(engine, x, y, sample_weight):
         if engine.model is not plan.model:
-            raise UsageError(f"the pipeline plan was made for model {plan.model.name!r}, "
-                             f"not {engine.model.name!r}")
+            raise UsageError(
+                f"the pipeline plan was made for model {plan.model.name!r}, not {engine.model.name!r}"
+            )
         _check_rows(x, plan)
         if engine.xla not in state:
             state[engine.xla] = _stage_calls(plan, engine.xla)
@@ -155,8 +164,10 @@ def gradients_fn(plan):
         micro = plan.micro_batches
         weight = 1.0 / micro  # equal micro-batches: rows_m / rows
         predictions, losses, per_variable = [], [], [[] for _ in trainable]
-        forwards = [_forward(engine, plan, calls, x_m, y_m, sw_m, weight) for x_m, y_m, sw_m in
-                    zip(_split(x, micro), _split(y, micro), _split(sample_weight, micro))]
+        forwards = [
+            _forward(engine, plan, calls, x_m, y_m, sw_m, weight)
+            for x_m, y_m, sw_m in zip(_split(x, micro), _split(y, micro), _split(sample_weight, micro))
+        ]
         for tapes, entering, y_pred, loss, scaled in forwards:
             outputs = entering[1:] + [y_pred]
             gradients = _backward(plan, variables, tapes, entering, outputs, scaled, regularised)

@@ -1,6 +1,6 @@
 """`tfmp.fit` and `tfmp.evaluate`: train a user's compiled Keras model the way tfmp's apps train.
 
-    strategy = tfmp.distribute.get_strategy("auto")     # or tf.distribute.MirroredStrategy(), ...
+    strategy = tfmp.distribute.strategies.get_strategy("auto")     # or tf.distribute.MirroredStrategy(), ...
     with strategy.scope():
         model = keras.Sequential([...])                   # logits, several outputs, anything
         model.compile(keras.optimizers.SGD(0.01),
@@ -35,12 +35,13 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import distribute, precision
-from tfmp.checkpoint import Checkpoints
-from tfmp.engine import Engine
+from tfmp import precision
+from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
-from tfmp.loop import Loop, LoopSettings
-from tfmp.reporting import Reporter
+from tfmp.training.checkpoint import Checkpoints
+from tfmp.training.engine import Engine
+from tfmp.training.loop import Loop, LoopSettings
+from tfmp.training.reporting import Reporter
 
 
 def model_strategy(model: keras.Model) -> tf.distribute.Strategy:
@@ -51,12 +52,16 @@ def model_strategy(model: keras.Model) -> tf.distribute.Strategy:
         owner = variables[0].value._distribute_strategy
     active = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
     if owner is not None and active is not None and owner is not active:
-        raise UsageError("tfmp.fit was called inside one strategy's scope for a model built in another; "
-                         "build, compile and fit the model under the same strategy")
+        raise UsageError(
+            "tfmp.fit was called inside one strategy's scope for a model built in another; "
+            "build, compile and fit the model under the same strategy"
+        )
     if owner is None and active is not None and active.num_replicas_in_sync > 1:
-        raise UsageError(f"model {model.name!r} was built outside the scope of the "
-                         f"{type(active).__name__} that tfmp.fit is asked to distribute it with; "
-                         "build and compile it inside `with strategy.scope():`")
+        raise UsageError(
+            f"model {model.name!r} was built outside the scope of the "
+            f"{type(active).__name__} that tfmp.fit is asked to distribute it with; "
+            "build and compile it inside `with strategy.scope():`"
+        )
     return owner or active or tf.distribute.get_strategy()
 
 
@@ -103,8 +108,10 @@ def _check_compiled(model: keras.Model) -> None:
     if not isinstance(model, keras.Model):
         raise UsageError(f"tfmp.fit needs a keras.Model, got {type(model).__name__}")
     if not getattr(model, "compiled", False) or model.optimizer is None:
-        raise UsageError(f"model {model.name!r} is not compiled; call model.compile(optimizer, loss, "
-                         "metrics) (inside the strategy's scope) before tfmp.fit")
+        raise UsageError(
+            f"model {model.name!r} is not compiled; call model.compile(optimizer, loss, "
+            "metrics) (inside the strategy's scope) before tfmp.fit"
+        )
 
 
 def build_for_data(model: keras.Model, strategy, element_spec) -> None:
@@ -114,9 +121,11 @@ def build_for_data(model: keras.Model, strategy, element_spec) -> None:
             model._symbolic_build(data_batch=element_spec)
     except (ValueError, TypeError, RuntimeError) as error:
         first_line = (str(error).strip().splitlines() or [""])[0][:300]
-        raise UsageError(f"the data do not fit model {model.name!r} ({first_line}); inputs "
-                         f"{[tuple(i.shape) for i in model.inputs] if hasattr(model, 'inputs') else '?'} "
-                         f"vs data {tf.nest.map_structure(lambda s: tuple(s.shape), element_spec)}") from None
+        raise UsageError(
+            f"the data do not fit model {model.name!r} ({first_line}); inputs "
+            f"{[tuple(i.shape) for i in model.inputs] if hasattr(model, 'inputs') else '?'} "
+            f"vs data {tf.nest.map_structure(lambda s: tuple(s.shape), element_spec)}"
+        ) from None
 
 
 def prepare(model: keras.Model, xla: bool = False) -> tuple[tf.distribute.Strategy, Engine, str | None]:
@@ -130,12 +139,28 @@ def prepare(model: keras.Model, xla: bool = False) -> tuple[tf.distribute.Strate
     return strategy, Engine(strategy, model, optimizer, xla=xla), note
 
 
-def fit(model: keras.Model, x=None, y=None, *, batch_size: int | None = None, epochs: int = 1,
-        steps_per_epoch: int | None = None, validation_data=None, validation_steps: int | None = None,
-        callbacks: list | None = None, verbose="auto", model_dir: str | None = None,
-        sample_weight=None, shuffle: bool = True, seed: int = 0, steps_per_execution: int = 1,
-        xla: bool = False, checkpoint_every: int = 0, keep_checkpoints: int = 3,
-        log_every: int = 50) -> keras.callbacks.History:
+def fit(
+    model: keras.Model,
+    x=None,
+    y=None,
+    *,
+    batch_size: int | None = None,
+    epochs: int = 1,
+    steps_per_epoch: int | None = None,
+    validation_data=None,
+    validation_steps: int | None = None,
+    callbacks: list | None = None,
+    verbose="auto",
+    model_dir: str | None = None,
+    sample_weight=None,
+    shuffle: bool = True,
+    seed: int = 0,
+    steps_per_execution: int = 1,
+    xla: bool = False,
+    checkpoint_every: int = 0,
+    keep_checkpoints: int = 3,
+    log_every: int = 50,
+) -> keras.callbacks.History:
     """Trains `model` (compiled, built in its strategy's scope) like `model.fit`; returns its History.
 
     Raises `tfmp.errors.UsageError` (one line, nothing written) for an uncompiled model, a batch
@@ -144,8 +169,10 @@ def fit(model: keras.Model, x=None, y=None, *, batch_size: int | None = None, ep
     `Preempted` after saving a checkpoint on SIGTERM (with `model_dir`).
     """
     if epochs < 1 or (steps_per_epoch is not None and steps_per_epoch < 1) or steps_per_execution < 1:
-        raise UsageError(f"epochs={epochs}, steps_per_epoch={steps_per_epoch} and steps_per_execution="
-                         f"{steps_per_execution} must be positive")
+        raise UsageError(
+            f"epochs={epochs}, steps_per_epoch={steps_per_epoch} and steps_per_execution="
+            f"{steps_per_execution} must be positive"
+        )
     _check_compiled(model)
     strategy = model_strategy(model)
     train = _Data(x, y, sample_weight, batch_size, shuffle, seed, "training data")
@@ -154,8 +181,10 @@ def fit(model: keras.Model, x=None, y=None, *, batch_size: int | None = None, ep
     if not steps_per_epoch:
         raise UsageError("the training dataset's length is unknown or infinite; pass steps_per_epoch=")
     if train.batches is not None and steps_per_epoch > train.batches:
-        raise UsageError(f"steps_per_epoch={steps_per_epoch} is more than the {train.batches} batches "
-                         "of the training data; repeat the dataset or lower steps_per_epoch")
+        raise UsageError(
+            f"steps_per_epoch={steps_per_epoch} is more than the {train.batches} batches "
+            "of the training data; repeat the dataset or lower steps_per_epoch"
+        )
     build_for_data(model, strategy, train.element_spec)
     validation = None
     if validation_data is not None:
@@ -168,14 +197,31 @@ def fit(model: keras.Model, x=None, y=None, *, batch_size: int | None = None, ep
     checkpoints = None
     if model_dir:
         task_id = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0
-        checkpoints = Checkpoints(model_dir, topology.is_chief, task_id, keep=keep_checkpoints,
-                                  global_batch_size=train.global_batch_size, model=model,
-                                  optimizer=engine.optimizer)
+        checkpoints = Checkpoints(
+            model_dir,
+            topology.is_chief,
+            task_id,
+            keep=keep_checkpoints,
+            global_batch_size=train.global_batch_size,
+            model=model,
+            optimizer=engine.optimizer,
+        )
     start_step = checkpoints.restore() if checkpoints else 0
-    reporter = Reporter(model_dir if topology.is_chief else None,
-                        verbose=bool(verbose) and topology.is_chief)
-    reporter.run_card(run_card(model, engine, topology, train.global_batch_size, steps_per_epoch,
-                               epochs, start_step, xla, note, model_dir))
+    reporter = Reporter(model_dir if topology.is_chief else None, verbose=bool(verbose) and topology.is_chief)
+    reporter.run_card(
+        run_card(
+            model,
+            engine,
+            topology,
+            train.global_batch_size,
+            steps_per_epoch,
+            epochs,
+            start_step,
+            xla,
+            note,
+            model_dir,
+        )
+    )
 
     def data_for_epoch(epoch, steps_done):
         if train.infinite:  # one endless stream: position it once
@@ -187,12 +233,23 @@ def fit(model: keras.Model, x=None, y=None, *, batch_size: int | None = None, ep
         data = data.take(validation_steps) if validation_steps else data
         return engine.evaluate(strategy.experimental_distribute_dataset(data))
 
-    settings = LoopSettings(total_steps=epochs * steps_per_epoch, steps_per_epoch=steps_per_epoch,
-                            global_batch_size=train.global_batch_size,
-                            steps_per_execution=steps_per_execution, checkpoint_every=checkpoint_every,
-                            log_every=log_every)
-    loop = Loop(engine, _infinite_once(data_for_epoch, train.infinite), settings, reporter=reporter,
-                checkpoints=checkpoints, evaluate=evaluate if validation else None, callbacks=callbacks)
+    settings = LoopSettings(
+        total_steps=epochs * steps_per_epoch,
+        steps_per_epoch=steps_per_epoch,
+        global_batch_size=train.global_batch_size,
+        steps_per_execution=steps_per_execution,
+        checkpoint_every=checkpoint_every,
+        log_every=log_every,
+    )
+    loop = Loop(
+        engine,
+        _infinite_once(data_for_epoch, train.infinite),
+        settings,
+        reporter=reporter,
+        checkpoints=checkpoints,
+        evaluate=evaluate if validation else None,
+        callbacks=callbacks,
+    )
     try:
         result = loop.run(start_step)
         distribute.barrier(strategy)
@@ -222,12 +279,26 @@ def _validation(validation_data, batch_size: int) -> _Data:
         return _Data(validation_data, None, None, None, False, 0, "validation data")
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise UsageError("validation_data must be a tf.data.Dataset or a tuple (x, y[, sample_weight])")
-    return _Data(*validation_data[:2], validation_data[2] if len(validation_data) == 3 else None,
-                 batch_size, False, 0, "validation data")
+    return _Data(
+        *validation_data[:2],
+        validation_data[2] if len(validation_data) == 3 else None,
+        batch_size,
+        False,
+        0,
+        "validation data",
+    )
 
 
-def evaluate(model: keras.Model, x=None, y=None, *, batch_size: int | None = None, steps: int | None = None,
-             sample_weight=None, xla: bool = False) -> dict:
+def evaluate(
+    model: keras.Model,
+    x=None,
+    y=None,
+    *,
+    batch_size: int | None = None,
+    steps: int | None = None,
+    sample_weight=None,
+    xla: bool = False,
+) -> dict:
     """The model's compiled loss and metrics over the data, on its strategy; returns a dict."""
     _check_compiled(model)
     strategy = model_strategy(model)
@@ -240,17 +311,19 @@ def evaluate(model: keras.Model, x=None, y=None, *, batch_size: int | None = Non
     return engine.evaluate(strategy.experimental_distribute_dataset(dataset))
 
 
-def run_card(model, engine, topology, global_batch_size, steps_per_epoch, epochs, start_step, xla, note,
-             model_dir) -> dict:
+def run_card(
+    model, engine, topology, global_batch_size, steps_per_epoch, epochs, start_step, xla, note, model_dir
+) -> dict:
     policy = model.dtype_policy.name
     compute = sorted(precision.model_compute_dtypes(model))
     card = {
         "model": f"{model.name} ({model.count_params():,} parameters)",
         "precision": f"{policy} (layers compute in {', '.join(compute) or 'n/a'})",
         "output dtype": ", ".join(sorted({str(t.dtype) for t in tf.nest.flatten(model.outputs)}))
-                        if getattr(model, "outputs", None) else "n/a",
+        if getattr(model, "outputs", None)
+        else "n/a",
         "loss scale": f"{precision.loss_scale_mode(engine.optimizer)}, now "
-                      f"{precision.current_loss_scale(engine.optimizer):g}",
+        f"{precision.current_loss_scale(engine.optimizer):g}",
         "loss": _describe_loss(model),
         "strategy": topology.strategy,
         "replicas": f"{topology.replicas} ({topology.workers} worker(s))",
@@ -271,4 +344,3 @@ def _describe_loss(model) -> str:
     loss = getattr(model, "loss", None)
     names = tf.nest.map_structure(lambda item: getattr(item, "name", None) or str(item), loss)
     return str(names) + (f" + {len(model.losses)} regularisation term(s)" if model.losses else "")
-

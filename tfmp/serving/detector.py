@@ -1,6 +1,6 @@
 """Detector exports and their predictions: NMS inside the SavedModel, raw outputs in TFLite.
 
-`tfmp.export` calls this module for models whose outputs are a dict (RetinaNet's
+`tfmp.serving.export` calls this module for models whose outputs are a dict (RetinaNet's
 `{"classes": logits, "boxes": deltas}`); use `tfmp.export.export`/`export_run` as for a
 classifier. What a detector export holds:
 
@@ -13,7 +13,7 @@ classifier. What a detector export holds:
 * `model.tflite` - the raw outputs only (same names and shapes): `combined_non_max_suppression`
   is no TFLite builtin (conversion fails without Flex ops), so decoding + NMS is the caller's:
   `export.json["detector"]` holds the anchor config and thresholds, and
-  `tfmp.inference.load(...)` + `predict_files` here decode exactly as the SavedModel does.
+  `tfmp.serving.predictors.load(...)` + `predict_files` here decode exactly as the SavedModel does.
 * `model.keras` - the inference copy (raw outputs).
 
 The difference table compares the raw outputs per key (max |difference| of logits and of box
@@ -35,26 +35,32 @@ from tfmp.errors import UsageError
 RAW_SIGNATURE = "raw_outputs"
 DEFAULT_OPTIONS = {"score_threshold": 0.05, "iou_threshold": 0.5, "max_detections": 100}
 MATCH_IOU = 0.5
-PREPROCESSING = ("longer side resized to S keeping the aspect ratio (bilinear, antialias), padded "
-                 "bottom/right with 0 to S x S (tfmp.detection.data.read_image); multiply boxes by "
-                 "original pixels per input pixel to draw them on the original image")
+PREPROCESSING = (
+    "longer side resized to S keeping the aspect ratio (bilinear, antialias), padded "
+    "bottom/right with 0 to S x S (tfmp.detection.data.read_image); multiply boxes by "
+    "original pixels per input pixel to draw them on the original image"
+)
 
 
 def anchor_levels(model, name: str | None = None) -> tuple[int, ...]:
     """The FPN levels the detector's outputs follow: its registry entry's (by `name` or the
     model's name), checked against the number of anchors it predicts."""
-    from tfmp.detection import boxes
-    from tfmp.models import retinanet
+    from tfmp.detection import boxes, retinanet
 
     size, count = int(model.input.shape[1]), int(model.output["boxes"].shape[1])
     candidates = [retinanet.anchor_config(n).levels for n in (name, model.name) if n in retinanet.DETECTORS]
     candidates += [tuple(range(3, top + 1)) for top in range(3, 8)]  # an unregistered RetinaNet
     for levels in candidates:
         config = boxes.AnchorConfig(levels=levels)
-        if sum(boxes.feature_size(size, level) ** 2 for level in levels) * config.anchors_per_location == count:
+        if (
+            sum(boxes.feature_size(size, level) ** 2 for level in levels) * config.anchors_per_location
+            == count
+        ):
             return tuple(levels)
-    raise UsageError(f"detector {model.name!r} predicts {count} anchors, which no FPN levels 3..7 "
-                     f"of a {size}px input give; export it with the --model its run trained")
+    raise UsageError(
+        f"detector {model.name!r} predicts {count} anchors, which no FPN levels 3..7 "
+        f"of a {size}px input give; export it with the --model its run trained"
+    )
 
 
 def options_for(model, options: dict | None, name: str | None = None) -> dict:
@@ -63,22 +69,32 @@ def options_for(model, options: dict | None, name: str | None = None) -> dict:
 
     options = dict(DEFAULT_OPTIONS, **{k: v for k, v in (options or {}).items() if v is not None})
     if not 0.0 <= options["score_threshold"] < 1.0 or options["max_detections"] < 1:
-        raise UsageError(f"score_threshold={options['score_threshold']} must be in [0, 1) and "
-                         f"max_detections={options['max_detections']} >= 1")
+        raise UsageError(
+            f"score_threshold={options['score_threshold']} must be in [0, 1) and "
+            f"max_detections={options['max_detections']} >= 1"
+        )
     levels = anchor_levels(model, name)
     config = boxes.AnchorConfig(levels=levels)
-    return dict(options, image_size=int(model.input.shape[1]), anchor_levels=list(levels),
-                anchor_scales=list(config.scales), anchor_ratios=list(config.ratios),
-                anchor_size=config.size, box_variance=list(boxes.BOX_VARIANCE),
-                num_classes=int(model.output["classes"].shape[-1]),
-                tflite_outputs="raw: classes logits [B, A, K], boxes deltas [B, A, 4]; decode + NMS "
-                               "with tfmp.detection.boxes.decode_detections and these anchors")
+    return dict(
+        options,
+        image_size=int(model.input.shape[1]),
+        anchor_levels=list(levels),
+        anchor_scales=list(config.scales),
+        anchor_ratios=list(config.ratios),
+        anchor_size=config.size,
+        box_variance=list(boxes.BOX_VARIANCE),
+        num_classes=int(model.output["classes"].shape[-1]),
+        tflite_outputs="raw: classes logits [B, A, K], boxes deltas [B, A, 4]; decode + NMS "
+        "with tfmp.detection.boxes.decode_detections and these anchors",
+    )
 
 
 def anchors(options: dict) -> tf.Tensor:
     from tfmp.detection import boxes
 
-    return boxes.generate_anchors(options["image_size"], boxes.AnchorConfig(levels=tuple(options["anchor_levels"])))
+    return boxes.generate_anchors(
+        options["image_size"], boxes.AnchorConfig(levels=tuple(options["anchor_levels"]))
+    )
 
 
 def decode(raw: dict, options: dict, score_threshold: float | None = None) -> dict:
@@ -86,10 +102,13 @@ def decode(raw: dict, options: dict, score_threshold: float | None = None) -> di
     from tfmp.detection import boxes
 
     found = boxes.decode_detections(
-        {key: tf.constant(raw[key]) for key in ("classes", "boxes")}, anchors(options),
+        {key: tf.constant(raw[key]) for key in ("classes", "boxes")},
+        anchors(options),
         score_threshold=options["score_threshold"] if score_threshold is None else score_threshold,
-        iou_threshold=options["iou_threshold"], max_detections=options["max_detections"],
-        image_size=options["image_size"])
+        iou_threshold=options["iou_threshold"],
+        max_detections=options["max_detections"],
+        image_size=options["image_size"],
+    )
     return {key: value.numpy() for key, value in found.items()}
 
 
@@ -116,9 +135,13 @@ def serving_endpoints(model, *, options: dict, input_name: str = "images", raw_o
         # The detector computes in the export precision; decoding and NMS in float32. Calling
         # `raw` (not the model) traces the model once for both signatures.
         return boxes.decode_detections(
-            raw(images), anchor_boxes, score_threshold=options["score_threshold"],
-            iou_threshold=options["iou_threshold"], max_detections=options["max_detections"],
-            image_size=size)
+            raw(images),
+            anchor_boxes,
+            score_threshold=options["score_threshold"],
+            iou_threshold=options["iou_threshold"],
+            max_detections=options["max_detections"],
+            image_size=size,
+        )
 
     return {"serving_default": detect, RAW_SIGNATURE: raw}
 
@@ -148,19 +171,28 @@ def agreement(reference: dict, found: dict) -> float:
 def write_and_compare(model, precision, formats, directory, reference_images, options) -> list[dict]:
     """Writes each format, reloads it, and compares raw outputs and detections with the trained
     weights computed in float32 (see the module docstring)."""
-    from tfmp import export, inference
+    from tfmp.serving import export
+    from tfmp.serving import predictors as inference
 
     copy = export.inference_copy(model, precision, keep_float32_layers=True)
     float32_copy = copy if precision == "float32" else export.inference_copy(model, "float32")
     writers = {
         "saved_model": lambda path: export.write_saved_model(copy, path, options=options),
-        "tflite": lambda path: export.write_tflite(float32_copy, path, precision != "float32",
-                                                   options=dict(options, raw_only=True)),
+        "tflite": lambda path: export.write_tflite(
+            float32_copy, path, precision != "float32", options=dict(options, raw_only=True)
+        ),
         "keras": lambda path: copy.save(path),
     }
-    loaders = {"saved_model": inference.SavedModelPredictor, "tflite": inference.TFLitePredictor,
-               "keras": inference.KerasPredictor}
-    file_names = {"saved_model": export.SAVED_MODEL_DIR, "tflite": export.TFLITE_FILE, "keras": export.KERAS_FILE}
+    loaders = {
+        "saved_model": inference.SavedModelPredictor,
+        "tflite": inference.TFLitePredictor,
+        "keras": inference.KerasPredictor,
+    }
+    file_names = {
+        "saved_model": export.SAVED_MODEL_DIR,
+        "tflite": export.TFLITE_FILE,
+        "keras": export.KERAS_FILE,
+    }
     reference = export.inference_copy(model, "float32", fold_batch_norms=False)
     expected = inference.KerasPredictor("", {}, model=reference).predict_outputs(reference_images)
     expected_detections = decode(expected, options)
@@ -171,30 +203,47 @@ def write_and_compare(model, precision, formats, directory, reference_images, op
         predictor = loaders[name](path, {"detector": options})
         raw, detections = predictor.detector_outputs(reference_images)
         differences = {key: float(np.max(np.abs(raw[key] - expected[key]))) for key in ("classes", "boxes")}
-        rows.append({
-            "format": name, "file": file_names[name],
-            "precision": "float16 weights, float32 compute" if name == "tflite" and precision != "float32"
-            else precision,
-            "outputs": "detections after NMS (+ raw_outputs signature)" if name == "saved_model"
-            else "raw logits and box deltas",
-            "size_bytes": export.disk_size(path),
-            "max_abs_difference": max(differences.values()),
-            "max_abs_difference_per_output": differences,
-            "detection_agreement": agreement(expected_detections, detections),
-            "reference_detections": int(expected_detections["valid_detections"].sum()),
-        })
+        rows.append(
+            {
+                "format": name,
+                "file": file_names[name],
+                "precision": "float16 weights, float32 compute"
+                if name == "tflite" and precision != "float32"
+                else precision,
+                "outputs": "detections after NMS (+ raw_outputs signature)"
+                if name == "saved_model"
+                else "raw logits and box deltas",
+                "size_bytes": export.disk_size(path),
+                "max_abs_difference": max(differences.values()),
+                "max_abs_difference_per_output": differences,
+                "detection_agreement": agreement(expected_detections, detections),
+                "reference_detections": int(expected_detections["valid_detections"].sum()),
+            }
+        )
     return rows
 
 
 def table_lines(rows: list[dict]) -> tuple[tuple, list[tuple]]:
-    """Header and cells of a detector's difference table (for `tfmp.export.format_table`)."""
-    header = ("format", "precision", "size", "max |diff logits|", "max |diff box deltas|",
-              "detection agreement (F1)")
-    lines = [(row["format"], row["precision"], f"{row['size_bytes'] / 2**20:.2f} MiB",
-              f"{row['max_abs_difference_per_output']['classes']:.2e}",
-              f"{row['max_abs_difference_per_output']['boxes']:.2e}",
-              f"{100 * row['detection_agreement']:.1f}% of {row['reference_detections']}")
-             for row in rows]
+    """Header and cells of a detector's difference table (for `tfmp.serving.export.format_table`)."""
+    header = (
+        "format",
+        "precision",
+        "size",
+        "max |diff logits|",
+        "max |diff box deltas|",
+        "detection agreement (F1)",
+    )
+    lines = [
+        (
+            row["format"],
+            row["precision"],
+            f"{row['size_bytes'] / 2**20:.2f} MiB",
+            f"{row['max_abs_difference_per_output']['classes']:.2e}",
+            f"{row['max_abs_difference_per_output']['boxes']:.2e}",
+            f"{100 * row['detection_agreement']:.1f}% of {row['reference_detections']}",
+        )
+        for row in rows
+    ]
     return header, lines
 
 
@@ -204,18 +253,29 @@ def eval_images(metadata: dict, image_size: int, options: dict, batches: int, ba
     from tfmp.detection import data
 
     try:
-        stream, _ = data.load(metadata["dataset"], "eval", batch_size, anchors=anchors(options),
-                              image_size=image_size, data_dir=metadata.get("data_dir"), training=False)
+        stream, _ = data.load(
+            metadata["dataset"],
+            "eval",
+            batch_size,
+            anchors=anchors(options),
+            image_size=image_size,
+            data_dir=metadata.get("data_dir"),
+            training=False,
+        )
         images = np.concatenate([batch[0].numpy() for batch in stream.take(batches)])
         return images, f"{len(images)} eval images of {metadata['dataset']}"
     except Exception as error:  # data not readable here: the caller compares on random images
         from absl import logging
 
-        logging.warning("tfmp.export: detection eval data unavailable (%s)", str(error).splitlines()[0])
+        logging.warning(
+            "tfmp.serving.export: detection eval data unavailable (%s)", str(error).splitlines()[0]
+        )
         return None
 
 
-def predict_files(predictor, paths, score_threshold: float = 0.3, output_dir: str | None = None) -> list[dict]:
+def predict_files(
+    predictor, paths, score_threshold: float = 0.3, output_dir: str | None = None
+) -> list[dict]:
     """Detections for image files from an exported detector (any format), as
     `tfmp.detection.predict.predict_files` makes them for a run: one record per image, a PNG
     with the boxes drawn next to each image (or in `output_dir`)."""
@@ -223,8 +283,10 @@ def predict_files(predictor, paths, score_threshold: float = 0.3, output_dir: st
 
     options = predictor.metadata["detector"]
     if not options["score_threshold"] <= score_threshold < 1.0:
-        raise UsageError(f"--score_threshold={score_threshold} must be in [{options['score_threshold']}, 1): "
-                         "the export kept no lower scores; re-export with a lower --score_threshold")
+        raise UsageError(
+            f"--score_threshold={score_threshold} must be in [{options['score_threshold']}, 1): "
+            "the export kept no lower scores; re-export with a lower --score_threshold"
+        )
     class_names = predictor.class_names or [str(i) for i in range(options["num_classes"])]
     images = [data.read_image(path, options["image_size"]) for path in paths]  # all decode first
     _, found = predictor.detector_outputs(np.stack([image.numpy() for image, _, _ in images]))
@@ -236,10 +298,23 @@ def predict_files(predictor, paths, score_threshold: float = 0.3, output_dir: st
         picked["boxes"] = picked["boxes"] * scale  # back to the original image's pixels
         folder = output_dir or os.path.dirname(os.path.abspath(path))
         png = os.path.join(folder, os.path.splitext(os.path.basename(path))[0] + ".detections.png")
-        visualize.draw_detections(original.numpy(), picked["boxes"], picked["classes"], picked["scores"],
-                                  class_names, png)
-        records.append({"image": path, "png": png, "model_format": predictor.format, "detections": [
-            {"box": [round(float(v), 1) for v in box], "class": int(label), "name": class_names[int(label)],
-             "score": round(float(score), 4)}
-            for box, label, score in zip(picked["boxes"], picked["classes"], picked["scores"])]})
+        visualize.draw_detections(
+            original.numpy(), picked["boxes"], picked["classes"], picked["scores"], class_names, png
+        )
+        records.append(
+            {
+                "image": path,
+                "png": png,
+                "model_format": predictor.format,
+                "detections": [
+                    {
+                        "box": [round(float(v), 1) for v in box],
+                        "class": int(label),
+                        "name": class_names[int(label)],
+                        "score": round(float(score), 4),
+                    }
+                    for box, label, score in zip(picked["boxes"], picked["classes"], picked["scores"])
+                ],
+            }
+        )
     return records

@@ -1,4 +1,4 @@
-"""One benchmark measurement, in a process of its own: `python -m tfmp.bench_cell '<json>'`.
+"""One benchmark measurement, in a process of its own: `python -m tfmp.bench.cell '<json>'`.
 
 `tfmp.bench` starts one process per cell (through `tfmp.launch` for multi-worker cells) so that
 device splits, peak memory and compiled graphs never leak between cells. A cell is a dict:
@@ -10,13 +10,13 @@ device splits, peak memory and compiled graphs never leak between cells. A cell 
 
 `engine` times tfmp's Engine, `fit` the same model and data under plain Keras `model.fit` /
 `predict`, `peak` a large matmul in the precision's compute dtype (the FLOP/s ceiling the
-cells are compared to). A detector name as "model" (`tfmp.models.retinanet.DETECTORS`) trains
+cells are compared to). A detector name as "model" (`tfmp.detection.retinanet.DETECTORS`) trains
 it on the built-in detection `shapes` data (anchors matched in the input pipeline; "synthetic"
 repeats one such batch). Optional keys "intra_op_threads", "inter_op_threads" (set before
 TensorFlow starts) and "data_threads" (tf.data private pool) change the thread settings.
-Two more kinds: `pipeline` (`tfmp.bench_pipeline.measure` rows, "model", "image_size",
+Two more kinds: `pipeline` (`tfmp.bench.pipeline.measure` rows, "model", "image_size",
 "global_batch_size", "micro_batches", "steps", "repeats", "precision") and `python_threads`
-(`tfmp.bench_threads.measure_python_threads`, "unit_seconds").
+(`tfmp.bench.threads.measure_python_threads`, "unit_seconds").
 The result is printed as one line: `BENCH_RESULT {json}`.
 """
 
@@ -35,7 +35,7 @@ MNIST_SHAPED = ("mnist_mlp", "lenet")
 
 
 def is_detector(name: str) -> bool:
-    from tfmp.models import retinanet
+    from tfmp.detection import retinanet
 
     return name in retinanet.DETECTORS
 
@@ -89,8 +89,9 @@ def _classifier_setup(cell: dict, strategy, policy: str):
     """(compiled classifier, optimizer, dataset_fn(input_context), image shape)."""
     import keras
 
-    from tfmp import data, models, precision
-    from tfmp.classification import compile_classifier
+    from tfmp import models, precision
+    from tfmp.classification import data
+    from tfmp.classification.task import compile_classifier
 
     spec = _dataset_spec(cell)
     image_size = _image_size(cell, spec)
@@ -102,8 +103,14 @@ def _classifier_setup(cell: dict, strategy, policy: str):
     compile_classifier(model, optimizer, strategy)
 
     def dataset_fn(context):
-        return data.load(spec, "train", cell["global_batch_size"], image_size=image_size,
-                         input_context=context, cache=cell.get("cache", False))[0]
+        return data.load(
+            spec,
+            "train",
+            cell["global_batch_size"],
+            image_size=image_size,
+            input_context=context,
+            cache=cell.get("cache", False),
+        )[0]
 
     return model, optimizer, dataset_fn, info.image_shape
 
@@ -113,10 +120,9 @@ def _detector_setup(cell: dict, strategy, policy: str):
     import keras
 
     from tfmp import precision
-    from tfmp.detection import boxes
+    from tfmp.detection import boxes, retinanet
     from tfmp.detection import data as detection_data
     from tfmp.detection.task import compile_detector
-    from tfmp.models import retinanet
 
     size = cell["image_size"]
     info = detection_data.describe("shapes", image_size=size)
@@ -128,8 +134,14 @@ def _detector_setup(cell: dict, strategy, policy: str):
     compile_detector(model, optimizer, strategy, int(anchors.shape[0]))
 
     def dataset_fn(context):
-        dataset = detection_data.load("shapes", "train", cell["global_batch_size"], anchors=anchors,
-                                      image_size=size, input_context=context)[0]
+        dataset = detection_data.load(
+            "shapes",
+            "train",
+            cell["global_batch_size"],
+            anchors=anchors,
+            image_size=size,
+            input_context=context,
+        )[0]
         # Synthetic reference: one real batch (drawn and anchor-matched once) repeated, so the
         # input pipeline's cost drops out and the step is the same work.
         return dataset.take(1).cache().repeat() if cell["data"] == "synthetic" else dataset
@@ -138,13 +150,14 @@ def _detector_setup(cell: dict, strategy, policy: str):
 
 
 def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
-    from tfmp import data
-    from tfmp.engine import Engine
+    from tfmp.classification import data
+    from tfmp.training.engine import Engine
 
     engine = Engine(strategy, model, optimizer, xla=cell["xla"])
     threads = cell.get("data_threads", 0)
     dataset = strategy.distribute_datasets_from_function(
-        lambda context: data.with_threads(dataset_fn(context), threads))
+        lambda context: data.with_threads(dataset_fn(context), threads)
+    )
     iterator = iter(dataset)
     run = engine.train if cell["mode"] == "train" else engine.infer
 
@@ -162,27 +175,34 @@ def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
 def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
     import keras
 
-    from tfmp import data
+    from tfmp.classification import data
 
     dataset = data.with_threads(dataset_fn(None), cell.get("data_threads", 0))
     with strategy.scope():
-        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(),
-                      metrics=["accuracy"], steps_per_execution=cell["steps_per_execution"],
-                      jit_compile=cell["xla"])
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(),
+            metrics=["accuracy"],
+            steps_per_execution=cell["steps_per_execution"],
+            jit_compile=cell["xla"],
+        )
     dataset = dataset.repeat()
     if cell["mode"] == "inference":
+
         def predict(count):  # one Keras call per repeat, as a user makes one per evaluation
             started = time.perf_counter()
             model.predict(dataset, steps=cell["steps_per_execution"] * count, verbose=0)
             return [(time.perf_counter() - started) / count] * count
+
         return timer(predict)
 
     # One fit call for the timed repeats, as users make one per run, timed per epoch by a
     # callback so that fit's per-call set-up is not charged to Keras; a short call first warms
     # up (traces) and sizes the repeats like the engine cell's.
     started = time.perf_counter()
-    model.fit(dataset, steps_per_epoch=cell["steps_per_execution"] * cell["warmup_executions"],
-              epochs=1, verbose=0)
+    model.fit(
+        dataset, steps_per_epoch=cell["steps_per_execution"] * cell["warmup_executions"], epochs=1, verbose=0
+    )
     count = _executions_per_repeat(cell, (time.perf_counter() - started) / cell["warmup_executions"])
     epoch_times = []
 
@@ -193,8 +213,13 @@ def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
         def on_epoch_end(self, epoch, logs=None):
             epoch_times.append(time.perf_counter() - self.started)
 
-    model.fit(dataset, steps_per_epoch=cell["steps_per_execution"] * count, epochs=cell["repeats"],
-              verbose=0, callbacks=[EpochTimer()])
+    model.fit(
+        dataset,
+        steps_per_epoch=cell["steps_per_execution"] * count,
+        epochs=cell["repeats"],
+        verbose=0,
+        callbacks=[EpochTimer()],
+    )
     return [[seconds / count] * count for seconds in epoch_times]
 
 
@@ -222,12 +247,13 @@ def measure(cell: dict) -> dict:
     if cell["kind"] == "peak":
         return measure_peak(cell["precision"])
     if cell["kind"] == "python_threads":
-        from tfmp import bench_threads
+        from tfmp.bench import threads as bench_threads
 
         return bench_threads.measure_python_threads(cell["unit_seconds"])
-    from tfmp import distribute, models, precision
-
     import tensorflow as tf
+
+    from tfmp import models, precision
+    from tfmp.distribute import strategies as distribute
 
     # Before anything starts TensorFlow's runtime: it fixes its thread pools then.
     distribute.set_threads(cell.get("intra_op_threads", 0), cell.get("inter_op_threads", 0))
@@ -238,8 +264,9 @@ def measure(cell: dict) -> dict:
     replicas = cell.get("replicas", 1)
     distribute.split_cpu(replicas)
     multi_worker = bool(os.environ.get("TF_CONFIG"))
-    strategy = distribute.get_strategy("multi_worker" if multi_worker else
-                                       ("mirrored" if replicas > 1 else "default"))
+    strategy = distribute.get_strategy(
+        "multi_worker" if multi_worker else ("mirrored" if replicas > 1 else "default")
+    )
     policy = precision.resolve(cell["precision"]).policy
     setup = _detector_setup if is_detector(cell["model"]) else _classifier_setup
     model, optimizer, dataset_fn, image_shape = setup(cell, strategy, policy)
@@ -254,10 +281,14 @@ def measure(cell: dict) -> dict:
     flops_per_step = forward_flops * (3 if cell["mode"] == "train" else 1)
     median_step = statistics.median(step_times)
     result = {
-        "policy": policy, "dataset": _dataset_spec(cell), "image_shape": list(image_shape),
-        "replicas": strategy.num_replicas_in_sync, "workers": distribute.describe(strategy).workers,
+        "policy": policy,
+        "dataset": _dataset_spec(cell),
+        "image_shape": list(image_shape),
+        "replicas": strategy.num_replicas_in_sync,
+        "workers": distribute.describe(strategy).workers,
         "examples_per_sec": statistics.median(throughputs),
-        "examples_per_sec_min": min(throughputs), "examples_per_sec_max": max(throughputs),
+        "examples_per_sec_min": min(throughputs),
+        "examples_per_sec_max": max(throughputs),
         "step_time_median": median_step,
         "step_time_p90": step_times[min(len(step_times) - 1, int(0.9 * len(step_times)))],
         "flops_per_step": flops_per_step,
@@ -272,14 +303,19 @@ def measure(cell: dict) -> dict:
 
 
 def _measure_pipeline(cell: dict) -> dict:
-    """K=2 pipelines against the unsplit model (`tfmp.bench_pipeline`; it splits the CPU)."""
-    from tfmp import bench_pipeline, precision
+    """K=2 pipelines against the unsplit model (`tfmp.bench.pipeline`; it splits the CPU)."""
+    from tfmp import precision
+    from tfmp.bench import pipeline as bench_pipeline
 
-    rows = bench_pipeline.measure(cell["model"], image_size=cell["image_size"],
-                                  global_batch=cell["global_batch_size"],
-                                  micro_batches=tuple(cell["micro_batches"]), steps=cell["steps"],
-                                  repeats=cell["repeats"],
-                                  policy=precision.resolve(cell["precision"]).policy)
+    rows = bench_pipeline.measure(
+        cell["model"],
+        image_size=cell["image_size"],
+        global_batch=cell["global_batch_size"],
+        micro_batches=tuple(cell["micro_batches"]),
+        steps=cell["steps"],
+        repeats=cell["repeats"],
+        policy=precision.resolve(cell["precision"]).policy,
+    )
     return {"rows": rows}
 
 
@@ -289,8 +325,10 @@ def _gpu_memory() -> dict:
     gpus = tf.config.list_logical_devices("GPU")
     if not gpus:
         return {}
-    return {"peak_gpu_memory_mb": max(tf.config.experimental.get_memory_info(g.name)["peak"]
-                                      for g in gpus) / 2**20}
+    return {
+        "peak_gpu_memory_mb": max(tf.config.experimental.get_memory_info(g.name)["peak"] for g in gpus)
+        / 2**20
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """`train_and_evaluate(config)`: the whole run behind every tfmp app.
 
-    from tfmp.train import TrainConfig, train_and_evaluate
+    from tfmp.training.run import TrainConfig, train_and_evaluate
     summary = train_and_evaluate(TrainConfig(model="lenet", dataset="digits", precision="mixed",
                                              strategy="mirrored", cpu_replicas=2, epochs=1))
 
@@ -11,8 +11,8 @@ shape) is checked before the model dir is created, so a bad command leaves nothi
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import gzip
+import hashlib
 import math
 import os
 import time
@@ -22,13 +22,16 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import classification, distribute, optim, pipeline, precision, pruning
-from tfmp.checkpoint import Checkpoints
-from tfmp.engine import Engine
+from tfmp import optim, precision, pruning
+from tfmp.classification import task as classification
+from tfmp.distribute import strategies as distribute
+from tfmp.distribute.launch import RUN_NAME_ENV
 from tfmp.errors import UsageError, unknown
-from tfmp.launch import RUN_NAME_ENV
-from tfmp.loop import Loop, LoopSettings
-from tfmp.reporting import Reporter
+from tfmp.pipeline import plan as pipeline
+from tfmp.training.checkpoint import Checkpoints
+from tfmp.training.engine import Engine
+from tfmp.training.loop import Loop, LoopSettings
+from tfmp.training.reporting import Reporter
 
 XLA_CHOICES = ("auto", "on", "off")
 MODEL_FILE = "model.keras"
@@ -141,15 +144,22 @@ class _Plan:
 
 def _plan(config: TrainConfig, task) -> _Plan:
     """Validates the config and decides the run; raises UsageError before anything is written."""
-    _check_positive(epochs=config.epochs, steps=config.steps, global_batch_size=config.global_batch_size,
-                    steps_per_execution=config.steps_per_execution, keep_checkpoints=config.keep_checkpoints,
-                    log_every=config.log_every)
+    _check_positive(
+        epochs=config.epochs,
+        steps=config.steps,
+        global_batch_size=config.global_batch_size,
+        steps_per_execution=config.steps_per_execution,
+        keep_checkpoints=config.keep_checkpoints,
+        log_every=config.log_every,
+    )
     for name in ("intra_op_threads", "inter_op_threads", "data_threads"):
         if getattr(config, name) < 0:
             raise UsageError(f"--{name}={getattr(config, name)} must be 0 (TensorFlow's default) or positive")
     if config.cpu_replicas < 0:
-        raise UsageError(f"--cpu_replicas={config.cpu_replicas} must be 0 (no split) or a positive "
-                         "number of logical CPU devices")
+        raise UsageError(
+            f"--cpu_replicas={config.cpu_replicas} must be 0 (no split) or a positive "
+            "number of logical CPU devices"
+        )
     if config.model not in task.models:
         raise unknown(task.model_kind, config.model, task.models)
     # Thread pools and logical CPU devices can only be set before TensorFlow initialises its runtime.
@@ -170,29 +180,52 @@ def _plan(config: TrainConfig, task) -> _Plan:
         # TFDS does not know the size of an unprepared or mocked dataset: one epoch = --steps.
         steps_per_epoch = config.steps
         if not steps_per_epoch:
-            raise UsageError(f"dataset {config.dataset} does not report its size; pass "
-                             "--steps_per_epoch (and --epochs) or --steps")
+            raise UsageError(
+                f"dataset {config.dataset} does not report its size; pass "
+                "--steps_per_epoch (and --epochs) or --steps"
+            )
     if steps_per_epoch < 1:
-        raise UsageError(f"global batch {config.global_batch_size} is larger than the "
-                         f"{info.train_examples} training examples of {config.dataset}")
+        raise UsageError(
+            f"global batch {config.global_batch_size} is larger than the "
+            f"{info.train_examples} training examples of {config.dataset}"
+        )
     total_steps = config.steps or config.epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)
-    learning_rate = distribute.scale_learning_rate(config.learning_rate, config.global_batch_size,
-                                                   config.reference_batch_size, config.lr_scaling)
+    learning_rate = distribute.scale_learning_rate(
+        config.learning_rate, config.global_batch_size, config.reference_batch_size, config.lr_scaling
+    )
     schedule = optim.schedule(learning_rate, total_steps, config.warmup_steps, config.lr_decay)
     if topology.workers > 1 and not config.model_dir and not os.environ.get(RUN_NAME_ENV):
-        raise UsageError("multi-worker training without tfmp.launch needs an explicit --model_dir shared by "
-                         "all workers (they restore from the chief's checkpoints)")
+        raise UsageError(
+            "multi-worker training without tfmp.launch needs an explicit --model_dir shared by "
+            "all workers (they restore from the chief's checkpoints)"
+        )
     prune_schedule = None
     if config.prune_sparsity:
         # Zhu & Gupta start from a trained model: by default prune over the middle third.
         begin = total_steps // 3 if config.prune_begin_step is None else config.prune_begin_step
         end = max(begin, total_steps * 2 // 3) if config.prune_end_step is None else config.prune_end_step
-        prune_schedule = pruning.make_schedule(config.prune_schedule, config.prune_sparsity, begin, end,
-                                               config.prune_every)
-    return _Plan(strategy, topology, policy, policy_choice.reason, policy_choice.warning, loss_scale,
-                 info, use_xla, xla_reason, per_replica_batch, steps_per_epoch, total_steps, epochs,
-                 learning_rate, schedule, prune_schedule)
+        prune_schedule = pruning.make_schedule(
+            config.prune_schedule, config.prune_sparsity, begin, end, config.prune_every
+        )
+    return _Plan(
+        strategy,
+        topology,
+        policy,
+        policy_choice.reason,
+        policy_choice.warning,
+        loss_scale,
+        info,
+        use_xla,
+        xla_reason,
+        per_replica_batch,
+        steps_per_epoch,
+        total_steps,
+        epochs,
+        learning_rate,
+        schedule,
+        prune_schedule,
+    )
 
 
 def _pipeline_strategy(config: TrainConfig) -> str:
@@ -203,12 +236,16 @@ def _pipeline_strategy(config: TrainConfig) -> str:
             raise UsageError(f"--pipeline_stages={config.pipeline_stages} must be 0 (no pipeline) or >= 2")
         return config.strategy
     if config.strategy not in ("auto", "default"):
-        raise UsageError(f"--pipeline_stages={config.pipeline_stages} with --strategy={config.strategy}: the "
-                         "pipeline's stages are the devices, so replicas cannot also use them; use "
-                         "--strategy=default (or auto)")
+        raise UsageError(
+            f"--pipeline_stages={config.pipeline_stages} with --strategy={config.strategy}: the "
+            "pipeline's stages are the devices, so replicas cannot also use them; use "
+            "--strategy=default (or auto)"
+        )
     if config.cpu_replicas and config.cpu_replicas < config.pipeline_stages:
-        raise UsageError(f"--pipeline_stages={config.pipeline_stages} needs {config.pipeline_stages} devices, "
-                         f"--cpu_replicas={config.cpu_replicas} makes fewer")
+        raise UsageError(
+            f"--pipeline_stages={config.pipeline_stages} needs {config.pipeline_stages} devices, "
+            f"--cpu_replicas={config.cpu_replicas} makes fewer"
+        )
     if not tf.config.list_physical_devices("GPU"):
         distribute.split_cpu(max(config.cpu_replicas, config.pipeline_stages))  # a logical CPU per stage
     return "default"
@@ -232,19 +269,30 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None, t
     with plan.strategy.scope():
         # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
         optimizer = precision.wrap_optimizer(
-            optim.build(config.optimizer, plan.schedule, config.weight_decay), plan.policy, plan.loss_scale)
+            optim.build(config.optimizer, plan.schedule, config.weight_decay), plan.policy, plan.loss_scale
+        )
     model = task.build_model(config, plan)
     stages = None
     if config.pipeline_stages > 1:
-        stages = pipeline.plan(model, pipeline.stage_devices(config.pipeline_stages), config.micro_batches,
-                               list(config.pipeline_boundaries) or None, config.pipeline_balance)
+        stages = pipeline.plan(
+            model,
+            pipeline.stage_devices(config.pipeline_stages),
+            config.micro_batches,
+            list(config.pipeline_boundaries) or None,
+            config.pipeline_balance,
+        )
         with plan.strategy.scope():
             pipeline.place(model, stages)  # before compile: optimizer slots follow their variables
         stages.check_batch(plan.per_replica_batch)
     task.compile(model, optimizer, plan)
-    engine = Engine(plan.strategy, model, optimizer, xla=plan.use_xla,
-                    gradients=pipeline.gradients_fn(stages) if stages else None,
-                    forward=pipeline.forward_fn(stages) if stages else None)
+    engine = Engine(
+        plan.strategy,
+        model,
+        optimizer,
+        xla=plan.use_xla,
+        gradients=pipeline.gradients_fn(stages) if stages else None,
+        forward=pipeline.forward_fn(stages) if stages else None,
+    )
     pruner = None
     if plan.prune_schedule is not None:
         with plan.strategy.scope():  # masks become mirrored, like the kernels
@@ -254,32 +302,52 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None, t
     if plan.topology.is_chief:
         os.makedirs(model_dir, exist_ok=True)
     task_id = getattr(getattr(plan.strategy, "cluster_resolver", None), "task_id", 0) or 0
-    checkpoints = Checkpoints(model_dir, plan.topology.is_chief, task_id, keep=config.keep_checkpoints,
-                              global_batch_size=config.global_batch_size, model=model,
-                              optimizer=engine.optimizer, **(pruner.checkpoint_objects() if pruner else {}))
+    checkpoints = Checkpoints(
+        model_dir,
+        plan.topology.is_chief,
+        task_id,
+        keep=config.keep_checkpoints,
+        global_batch_size=config.global_batch_size,
+        model=model,
+        optimizer=engine.optimizer,
+        **(pruner.checkpoint_objects() if pruner else {}),
+    )
     try:
         start_step = checkpoints.restore()
     except UsageError:
         checkpoints.close()
         raise
-    reporter = Reporter(model_dir if plan.topology.is_chief else None,
-                        verbose=config.verbose and plan.topology.is_chief)
+    reporter = Reporter(
+        model_dir if plan.topology.is_chief else None, verbose=config.verbose and plan.topology.is_chief
+    )
     if resolved_flags and plan.topology.is_chief:
         with open(os.path.join(model_dir, FLAGS_FILE), "w", encoding="utf-8") as file:
             file.write(resolved_flags)
     try:
         data_for_epoch, evaluate, shard_policies = task.inputs(config, plan, engine, start_step)
         card = _run_card(config, plan, model, engine, start_step, shard_policies, model_dir, task)
-        reporter.run_card({**card, **(pruner.describe() if pruner else {}),
-                           **(_pipeline_card(stages) if stages else {})})
-        settings = LoopSettings(total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
-                                global_batch_size=config.global_batch_size,
-                                steps_per_execution=config.steps_per_execution,
-                                checkpoint_every=config.checkpoint_every, log_every=config.log_every,
-                                learning_rate=plan.schedule)
-        result = Loop(engine, data_for_epoch, settings, reporter=reporter, checkpoints=checkpoints,
-                      evaluate=evaluate, hooks=(pruner,) if pruner else (),
-                      scalars=(lambda: _sparsity_scalars(pruner)) if pruner else None).run(start_step)
+        reporter.run_card(
+            {**card, **(pruner.describe() if pruner else {}), **(_pipeline_card(stages) if stages else {})}
+        )
+        settings = LoopSettings(
+            total_steps=plan.total_steps,
+            steps_per_epoch=plan.steps_per_epoch,
+            global_batch_size=config.global_batch_size,
+            steps_per_execution=config.steps_per_execution,
+            checkpoint_every=config.checkpoint_every,
+            log_every=config.log_every,
+            learning_rate=plan.schedule,
+        )
+        result = Loop(
+            engine,
+            data_for_epoch,
+            settings,
+            reporter=reporter,
+            checkpoints=checkpoints,
+            evaluate=evaluate,
+            hooks=(pruner,) if pruner else (),
+            scalars=(lambda: _sparsity_scalars(pruner)) if pruner else None,
+        ).run(start_step)
         # A pruned model is saved stripped: a plain Keras model with its zeros, no masks.
         saved = pruning.strip(model) if pruner else model
         if plan.topology.is_chief:
@@ -308,14 +376,14 @@ def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir
         "global batch": config.global_batch_size,
         "per-replica batch": plan.per_replica_batch,
         "learning rate": f"{plan.learning_rate:g} ({config.optimizer}, base {config.learning_rate:g}, "
-                         f"scaling {config.lr_scaling} vs batch {config.reference_batch_size}, "
-                         f"warmup {config.warmup_steps}, decay {config.lr_decay})",
+        f"scaling {config.lr_scaling} vs batch {config.reference_batch_size}, "
+        f"warmup {config.warmup_steps}, decay {config.lr_decay})",
         "steps": f"{plan.total_steps} ({plan.epochs} epoch(s) x {plan.steps_per_epoch}), from step {start_step}",
         "steps per execution": config.steps_per_execution,
         "xla": f"{'on' if plan.use_xla else 'off'} ({plan.xla_reason}; forward+backward compiled per replica)",
         "shard policy": ", ".join(sorted(set(shard_policies))) or "n/a",
         "threads": f"intra-op {config.intra_op_threads or 'default'}, inter-op {config.inter_op_threads or 'default'}, "
-                   f"tf.data {config.data_threads or 'default (shared pool)'}",
+        f"tf.data {config.data_threads or 'default (shared pool)'}",
         "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
         "model dir": os.path.abspath(model_dir),
     }
@@ -323,17 +391,24 @@ def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir
 
 def _pipeline_card(stages) -> dict:
     described = stages.describe()
-    rows = {"pipeline": f"{described['stages']} stages x {described['micro_batches']} micro-batches (GPipe), "
-                        f"balanced by {described['balance']}, bubble (K-1)/(M+K-1) = {described['bubble']:.3f}"}
+    rows = {
+        "pipeline": f"{described['stages']} stages x {described['micro_batches']} micro-batches (GPipe), "
+        f"balanced by {described['balance']}, bubble (K-1)/(M+K-1) = {described['bubble']:.3f}"
+    }
     for index, stage in enumerate(described["per_stage"]):
-        rows[f"stage {index}"] = (f"{stage['device']}: {stage['layers']} ({stage['num_layers']} layers, "
-                                  f"{stage['parameters']:,} parameters, {stage['flops_per_example']:,} FLOPs/example)")
+        rows[f"stage {index}"] = (
+            f"{stage['device']}: {stage['layers']} ({stage['num_layers']} layers, "
+            f"{stage['parameters']:,} parameters, {stage['flops_per_example']:,} FLOPs/example)"
+        )
     return rows
 
 
 def _sparsity_scalars(pruner: pruning.Pruner) -> dict:
     sparsity = pruner.sparsity()
-    return {"sparsity": sparsity.pop("overall"), **{f"sparsity/{name}": value for name, value in sparsity.items()}}
+    return {
+        "sparsity": sparsity.pop("overall"),
+        **{f"sparsity/{name}": value for name, value in sparsity.items()},
+    }
 
 
 def _weights_gzip_bytes(model: keras.Model) -> int:
@@ -348,8 +423,11 @@ def _summary(config, plan, model, engine, result, model_dir, task, pruner=None) 
     summary = {
         **fields,
         "examples_per_sec": result.examples_per_sec,
-        "precision": plan.policy, "replicas": plan.topology.replicas, "workers": plan.topology.workers,
-        "steps": result.step, "loss_scale": precision.current_loss_scale(engine.optimizer),
+        "precision": plan.policy,
+        "replicas": plan.topology.replicas,
+        "workers": plan.topology.workers,
+        "steps": result.step,
+        "loss_scale": precision.current_loss_scale(engine.optimizer),
         "model_dir": os.path.abspath(model_dir),
         "optimizer_iterations": int(engine.optimizer.iterations.numpy()),
         "weights_sha256": weights_digest(model),
@@ -359,11 +437,14 @@ def _summary(config, plan, model, engine, result, model_dir, task, pruner=None) 
     }
     speed = f"{summary['examples_per_sec']:.0f}" if summary["examples_per_sec"] else "n/a"
     if config.verbose:  # every worker: identical weights digests show the workers agree
-        print(f"tfmp summary: {headline}, {speed} {task.unit}/s, precision {plan.policy}, "
-              f"{plan.topology.replicas} replica(s) on {plan.topology.workers} worker(s), {result.step} steps "
-              f"({summary['optimizer_iterations']} applied), sparsity {summary['sparsity']:.2f}, "
-              f"weights gzip {summary['weights_gzip_bytes'] / 1e6:.2f} MB, "
-              f"weights {summary['weights_sha256'][:12]}, model dir {summary['model_dir']}", flush=True)
+        print(
+            f"tfmp summary: {headline}, {speed} {task.unit}/s, precision {plan.policy}, "
+            f"{plan.topology.replicas} replica(s) on {plan.topology.workers} worker(s), {result.step} steps "
+            f"({summary['optimizer_iterations']} applied), sparsity {summary['sparsity']:.2f}, "
+            f"weights gzip {summary['weights_gzip_bytes'] / 1e6:.2f} MB, "
+            f"weights {summary['weights_sha256'][:12]}, model dir {summary['model_dir']}",
+            flush=True,
+        )
     return summary
 
 

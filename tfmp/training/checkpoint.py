@@ -33,8 +33,16 @@ _READ_ERRORS = (tf.errors.OpError, AssertionError, ValueError, IndexError, KeyEr
 
 
 class Checkpoints:
-    def __init__(self, model_dir: str, is_chief: bool, task_id: int, keep: int = 3,
-                 global_batch_size: int = 0, say=logging.warning, **objects):
+    def __init__(
+        self,
+        model_dir: str,
+        is_chief: bool,
+        task_id: int,
+        keep: int = 3,
+        global_batch_size: int = 0,
+        say=logging.warning,
+        **objects,
+    ):
         self.is_chief = is_chief
         self.model_dir = model_dir
         self.say = say
@@ -75,9 +83,11 @@ class Checkpoints:
             logging.info("restored %s at step %d", path, step)
             return step
         if candidates:
-            raise UsageError(f"no checkpoint in {os.path.join(self.model_dir, SUBDIR)} can be restored into "
-                             f"this model/optimizer: {'; '.join(skipped)}; use a fresh --model_dir or the "
-                             "run's original flags")
+            raise UsageError(
+                f"no checkpoint in {os.path.join(self.model_dir, SUBDIR)} can be restored into "
+                f"this model/optimizer: {'; '.join(skipped)}; use a fresh --model_dir or the "
+                "run's original flags"
+            )
         return 0
 
     def _check_batch(self, path: str) -> None:
@@ -86,7 +96,8 @@ class Checkpoints:
             raise UsageError(
                 f"checkpoint {path} (step {int(self.step.numpy())}) was trained with global batch {saved}, "
                 f"this run uses {self.global_batch_size}: its step count would point elsewhere in the "
-                f"data; resume with --global_batch_size={saved} or start a fresh --model_dir")
+                f"data; resume with --global_batch_size={saved} or start a fresh --model_dir"
+            )
 
     def save(self, step: int) -> str:
         self.step.assign(step)

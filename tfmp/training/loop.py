@@ -16,16 +16,17 @@ import dataclasses
 import signal
 import threading
 import time
-from typing import Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import keras
 from absl import logging
 
 from tfmp import precision
-from tfmp.checkpoint import Checkpoints
-from tfmp.engine import Engine
 from tfmp.errors import Preempted, TrainingDiverged
-from tfmp.reporting import Reporter
+from tfmp.training.checkpoint import Checkpoints
+from tfmp.training.engine import Engine
+from tfmp.training.reporting import Reporter
 
 
 class StepHook(Protocol):
@@ -63,10 +64,19 @@ class Loop:
     iterator for an endless stream). `evaluate()` returns a metrics dict (or None to skip).
     """
 
-    def __init__(self, engine: Engine, data_for_epoch: Callable[[int, int], Iterator],
-                 settings: LoopSettings, *, reporter: Reporter, checkpoints: Checkpoints | None = None,
-                 evaluate: Callable[[], dict | None] | None = None, hooks: tuple = (),
-                 callbacks: list | None = None, scalars: Callable[[], dict] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        data_for_epoch: Callable[[int, int], Iterator],
+        settings: LoopSettings,
+        *,
+        reporter: Reporter,
+        checkpoints: Checkpoints | None = None,
+        evaluate: Callable[[], dict | None] | None = None,
+        hooks: tuple = (),
+        callbacks: list | None = None,
+        scalars: Callable[[], dict] | None = None,
+    ):
         self.engine = engine
         self.data_for_epoch = data_for_epoch
         self.settings = settings
@@ -77,8 +87,14 @@ class Loop:
         self.extra_scalars = scalars or (lambda: {})
         self.epochs = -(-settings.total_steps // settings.steps_per_epoch)
         self.callbacks = keras.callbacks.CallbackList(
-            callbacks, add_history=True, add_progbar=False, model=engine.model, verbose=0,
-            epochs=self.epochs, steps=settings.steps_per_epoch)
+            callbacks,
+            add_history=True,
+            add_progbar=False,
+            model=engine.model,
+            verbose=0,
+            epochs=self.epochs,
+            steps=settings.steps_per_epoch,
+        )
         self.optimizer = engine.optimizer
         self.dynamic_scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         self._steady_examples, self._steady_seconds, self._first_call = 0, 0.0, True
@@ -120,8 +136,9 @@ class Loop:
             for hook in self.hooks:
                 if hook.next_update_step(step) == step:
                     hook.update(step)
-            self.reporter.progress(step - epoch_start, {
-                **logs, "examples/s": num_steps * settings.global_batch_size / seconds})
+            self.reporter.progress(
+                step - epoch_start, {**logs, "examples/s": num_steps * settings.global_batch_size / seconds}
+            )
             self.callbacks.on_train_batch_end(step - epoch_start - 1, logs)
             if step - log_step >= settings.log_every or step == epoch_end:
                 elapsed = time.perf_counter() - log_started
@@ -158,21 +175,30 @@ class Loop:
             # Every worker sees the same reduced value, so all save at this step.
             self._save(step)
             where = self.checkpoints.directory if self.checkpoints else "nowhere (no model_dir)"
-            raise Preempted(f"SIGTERM on a worker: checkpoint saved at step {step} in {where}; "
-                            "run the same command again to resume")
+            raise Preempted(
+                f"SIGTERM on a worker: checkpoint saved at step {step} in {where}; "
+                "run the same command again to resume"
+            )
         if not self._first_call:  # the first call traces and compiles: not throughput
             self._steady_examples += num_steps * self.settings.global_batch_size
             self._steady_seconds += seconds
         self._first_call = False
         if result.nonfinite_steps and not self.dynamic_scaling:
-            where = f"the last good checkpoint in {self.checkpoints.directory} is kept; " if self.checkpoints else ""
+            where = (
+                f"the last good checkpoint in {self.checkpoints.directory} is kept; "
+                if self.checkpoints
+                else ""
+            )
             compute = ", ".join(sorted(precision.model_compute_dtypes(self.engine.model)))
             raise TrainingDiverged(
                 f"loss became non-finite at step {step} computing in {compute} (loss scale: "
-                f"{precision.loss_scale_mode(self.optimizer)}); training stopped, {where}lower the learning rate")
+                f"{precision.loss_scale_mode(self.optimizer)}); training stopped, {where}lower the learning rate"
+            )
         if self.dynamic_scaling and precision.current_loss_scale(self.optimizer) < 1.0:
-            raise TrainingDiverged(f"loss scale fell below 1 at step {step}: gradients are non-finite "
-                                   "even unscaled; lower the learning rate")
+            raise TrainingDiverged(
+                f"loss scale fell below 1 at step {step}: gradients are non-finite "
+                "even unscaled; lower the learning rate"
+            )
         return result.metrics, seconds
 
     def _log_scalars(self, step: int, logs: dict, examples_per_sec: float) -> None:
@@ -189,7 +215,9 @@ class Loop:
         if results is None:
             return None
         self.reporter.scalars(step, "eval", results)
-        self.reporter.message("  eval: " + ", ".join(f"{name} {value:.4f}" for name, value in results.items()))
+        self.reporter.message(
+            "  eval: " + ", ".join(f"{name} {value:.4f}" for name, value in results.items())
+        )
         return results
 
     def _save(self, step: int) -> None:

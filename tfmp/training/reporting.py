@@ -22,7 +22,8 @@ from tensorflow.core.framework import summary_pb2
 RUN_CARD = "run_card.json"
 METRICS = "metrics.jsonl"
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")).SerializeToString()
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+).SerializeToString()
 
 
 def format_run_card(card: dict) -> str:
@@ -53,7 +54,8 @@ class Reporter:
     def _writer(self, split: str):
         if split not in self._writers:
             self._writers[split] = tf.summary.create_file_writer(
-                os.path.join(self.model_dir, "tensorboard", split))
+                os.path.join(self.model_dir, "tensorboard", split)
+            )
         return self._writers[split]
 
     def scalars(self, step: int, split: str, values: dict) -> None:
@@ -74,8 +76,12 @@ class Reporter:
         if self.verbose:
             print(f"Epoch {epoch}/{epochs}", flush=True)
             # Non-interactive output (CI, log files) gets one line per update instead of \r.
-            self._progress = keras.utils.Progbar(steps, stateful_metrics=["loss", "accuracy", "examples/s"],
-                                                 interval=0.5, verbose=1 if sys.stdout.isatty() else 2)
+            self._progress = keras.utils.Progbar(
+                steps,
+                stateful_metrics=["loss", "accuracy", "examples/s"],
+                interval=0.5,
+                verbose=1 if sys.stdout.isatty() else 2,
+            )
 
     def progress(self, steps_done: int, values: dict) -> None:
         if self._progress is not None:

@@ -1,11 +1,11 @@
 """Compute-parallelism study: what TensorFlow's thread pools, tf.data's private pool and
 `steps_per_execution` buy, and what Python threads buy (the GIL), side by side in one run.
 
-    from tfmp import bench_threads
+    from tfmp.bench import threads as bench_threads
     rows = bench_threads.measure("seed_cnn", image_size=32, global_batch=64)
     print(bench_threads.table(rows))
 
-Two kinds of measurement, each in a fresh process (`tfmp.bench_cell`), because TensorFlow
+Two kinds of measurement, each in a fresh process (`tfmp.bench.cell`), because TensorFlow
 fixes its thread pools when its runtime starts:
 
 * engine cells (`cells`): one model trained through the Engine on the built-in data (not
@@ -36,8 +36,11 @@ VARIANTS = (
     ("inter_op_threads", {"inter_op_threads": 1}, f"{THREADS} vs 1 inter-op threads"),
     ("data_threads", {"data_threads": 1}, f"{THREADS} vs 1 tf.data private-pool threads"),
     ("steps_per_execution", {"steps_per_execution": 1}, f"{LONG_EXECUTION} vs 1 steps per host call"),
-    ("tensorflow_defaults", {"intra_op_threads": 0, "inter_op_threads": 0, "data_threads": 0},
-     f"{THREADS}/{THREADS}/{THREADS} threads vs TensorFlow's defaults"),
+    (
+        "tensorflow_defaults",
+        {"intra_op_threads": 0, "inter_op_threads": 0, "data_threads": 0},
+        f"{THREADS}/{THREADS}/{THREADS} threads vs TensorFlow's defaults",
+    ),
 )
 REPEATS = 3  # best of, for the Python measurements
 
@@ -45,12 +48,27 @@ REPEATS = 3  # best of, for the Python measurements
 def cells(model: str, image_size: int, global_batch: int, base: dict, rounds: int = 1) -> list[dict]:
     """The engine cells of the study (`base`: the bench's timing keys), baseline first in
     each of `rounds` rounds."""
-    baseline = dict(base, kind="engine", study="threads", knob="baseline", model=model,
-                    precision="float32", xla=False, tf32=True, replicas=1, workers=0,
-                    data="builtin", cache=False, mode="train", image_size=image_size,
-                    global_batch_size=global_batch, intra_op_threads=THREADS,
-                    inter_op_threads=THREADS, data_threads=THREADS,
-                    steps_per_execution=LONG_EXECUTION)
+    baseline = dict(
+        base,
+        kind="engine",
+        study="threads",
+        knob="baseline",
+        model=model,
+        precision="float32",
+        xla=False,
+        tf32=True,
+        replicas=1,
+        workers=0,
+        data="builtin",
+        cache=False,
+        mode="train",
+        image_size=image_size,
+        global_batch_size=global_batch,
+        intra_op_threads=THREADS,
+        inter_op_threads=THREADS,
+        data_threads=THREADS,
+        steps_per_execution=LONG_EXECUTION,
+    )
     one_round = [baseline] + [dict(baseline, knob=knob, **changes) for knob, changes, _ in VARIANTS]
     return [dict(cell, round=index) for index in range(1, rounds + 1) for cell in one_round]
 
@@ -112,14 +130,22 @@ def measure_python_threads(unit_seconds: float = 1.0) -> dict:
     # "spawn" because forking a process that has started TensorFlow's threads is unsafe.
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         pool.map(_python_loop, [1, 1])
-        python = _best({"one_thread": lambda: _serial(_python_loop, [count, count]),
-                        "two_threads": lambda: _on_threads(_python_loop, [count, count]),
-                        "two_processes": lambda: _timed(pool.map, _python_loop, [count, count])},
-                       REPEATS)
+        python = _best(
+            {
+                "one_thread": lambda: _serial(_python_loop, [count, count]),
+                "two_threads": lambda: _on_threads(_python_loop, [count, count]),
+                "two_processes": lambda: _timed(pool.map, _python_loop, [count, count]),
+            },
+            REPEATS,
+        )
     tensorflow = _tensorflow_threads(unit_seconds)
-    return {"python_loop_count": count, "python_seconds": python,
-            "tensorflow_matmuls": tensorflow.pop("count"), "tensorflow_seconds": tensorflow,
-            "unit_seconds": unit_seconds}
+    return {
+        "python_loop_count": count,
+        "python_seconds": python,
+        "tensorflow_matmuls": tensorflow.pop("count"),
+        "tensorflow_seconds": tensorflow,
+        "unit_seconds": unit_seconds,
+    }
 
 
 def _timed(function, *arguments) -> float:
@@ -131,7 +157,7 @@ def _timed(function, *arguments) -> float:
 def _tensorflow_threads(unit_seconds: float) -> dict:
     import tensorflow as tf
 
-    from tfmp import distribute
+    from tfmp.distribute import strategies as distribute
 
     distribute.set_threads(intra_op=1)  # one core per op: a second core only via a second caller
     weights = tf.random.uniform([256, 256], dtype=tf.float32) / 256
@@ -148,8 +174,13 @@ def _tensorflow_threads(unit_seconds: float) -> dict:
 
     run(1)  # trace
     count = _calibrate(run, unit_seconds, 50)
-    seconds = _best({"one_thread": lambda: _serial(run, [count, count]),
-                     "two_threads": lambda: _on_threads(run, [count, count])}, REPEATS)
+    seconds = _best(
+        {
+            "one_thread": lambda: _serial(run, [count, count]),
+            "two_threads": lambda: _on_threads(run, [count, count]),
+        },
+        REPEATS,
+    )
     return dict(seconds, count=count)
 
 
@@ -166,27 +197,49 @@ def rows(cells_: list[dict]) -> list[dict]:
     for knob, _, setting in VARIANTS:
         if baseline and knob in measured:
             value, reference = baseline["examples_per_sec"], measured[knob]["examples_per_sec"]
-            result.append({"knob": knob, "setting": setting, "value": value, "reference": reference,
-                           "unit": "examples/s", "ratio": value / reference})
+            result.append(
+                {
+                    "knob": knob,
+                    "setting": setting,
+                    "value": value,
+                    "reference": reference,
+                    "unit": "examples/s",
+                    "ratio": value / reference,
+                }
+            )
     python = next((c["result"] for c in cells_ if c["kind"] == "python_threads" and "result" in c), None)
     if python:
         for group, label, names in (
-                ("python_seconds", "pure-Python loop", ("two_threads", "two_processes")),
-                ("tensorflow_seconds", "TensorFlow function (GIL released)", ("two_threads",))):
+            ("python_seconds", "pure-Python loop", ("two_threads", "two_processes")),
+            ("tensorflow_seconds", "TensorFlow function (GIL released)", ("two_threads",)),
+        ):
             seconds = python[group]
             for name in names:
                 how = name.replace("two_", "2 ")
-                result.append({"knob": f"{group.split('_')[0]}_{name}", "setting": f"{label}: {how} vs 1 thread",
-                               "value": 2 / seconds[name], "reference": 2 / seconds["one_thread"],
-                               "unit": "work units/s", "ratio": seconds["one_thread"] / seconds[name]})
+                result.append(
+                    {
+                        "knob": f"{group.split('_')[0]}_{name}",
+                        "setting": f"{label}: {how} vs 1 thread",
+                        "value": 2 / seconds[name],
+                        "reference": 2 / seconds["one_thread"],
+                        "unit": "work units/s",
+                        "ratio": seconds["one_thread"] / seconds[name],
+                    }
+                )
     return result
 
 
-def measure(model_name: str = "seed_cnn", image_size: int = 32, global_batch: int = 64,
-            unit_seconds: float = 1.0, base: dict | None = None, rounds: int = 2,
-            progress=print) -> list[dict]:
+def measure(
+    model_name: str = "seed_cnn",
+    image_size: int = 32,
+    global_batch: int = 64,
+    unit_seconds: float = 1.0,
+    base: dict | None = None,
+    rounds: int = 2,
+    progress=print,
+) -> list[dict]:
     """Runs the whole study (one fresh process per cell, via `tfmp.bench`) and returns rows."""
-    from tfmp import bench
+    from tfmp.bench import matrix as bench
 
     timing = {"warmup_executions": 3, "executions": 5, "min_repeat_seconds": 1.5, "repeats": 5}
     planned = cells(model_name, image_size, global_batch, dict(timing, **(base or {})), rounds)
@@ -201,6 +254,8 @@ def table(rows_: list[dict]) -> str:
     """The rows as plain text: setting, the two figures, the ratio."""
     lines = []
     for row in rows_:
-        lines.append(f"{row['setting']}: {row['value']:,.1f} vs {row['reference']:,.1f} {row['unit']} "
-                     f"= {row['ratio']:.2f}x")
+        lines.append(
+            f"{row['setting']}: {row['value']:,.1f} vs {row['reference']:,.1f} {row['unit']} "
+            f"= {row['ratio']:.2f}x"
+        )
     return "\n".join(lines)

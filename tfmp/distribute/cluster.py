@@ -59,15 +59,17 @@ def parse_tf_config(raw: str | None) -> ClusterConfig | None:
     cluster = config["cluster"]
     for task_type, addresses in cluster.items():
         if task_type not in TASK_TYPES:
-            raise UsageError(f"TF_CONFIG cluster has unknown task type {task_type!r}; "
-                             f"use {', '.join(TASK_TYPES)}")
+            raise UsageError(
+                f"TF_CONFIG cluster has unknown task type {task_type!r}; use {', '.join(TASK_TYPES)}"
+            )
         if not isinstance(addresses, list) or not addresses:
             raise UsageError(f"TF_CONFIG cluster[{task_type!r}] must be a non-empty list of host:port")
         for address in addresses:
             match = _ADDRESS.match(str(address))
             if not match or not 0 < int(match.group(2)) < 65536:
-                raise UsageError(f"TF_CONFIG cluster[{task_type!r}] has {address!r}, "
-                                 "not host:port with a port in 1-65535")
+                raise UsageError(
+                    f"TF_CONFIG cluster[{task_type!r}] has {address!r}, not host:port with a port in 1-65535"
+                )
     if len(cluster.get("chief", [])) > 1:
         raise UsageError(f"TF_CONFIG names {len(cluster['chief'])} chiefs; at most one is allowed")
     if "chief" not in cluster and "worker" not in cluster:
@@ -77,12 +79,13 @@ def parse_tf_config(raw: str | None) -> ClusterConfig | None:
         raise UsageError(f"TF_CONFIG has no 'task' with 'type' and 'index'; {fix}")
     task_type, task_index = task["type"], task["index"]
     if task_type not in cluster:
-        raise UsageError(f"TF_CONFIG task type {task_type!r} is not in the cluster "
-                         f"({', '.join(cluster)})")
+        raise UsageError(f"TF_CONFIG task type {task_type!r} is not in the cluster ({', '.join(cluster)})")
     if not isinstance(task_index, int) or not 0 <= task_index < len(cluster[task_type]):
-        raise UsageError(f"TF_CONFIG task index {task_index!r} is out of range for "
-                         f"{len(cluster[task_type])} {task_type} task(s); use 0.."
-                         f"{len(cluster[task_type]) - 1}")
+        raise UsageError(
+            f"TF_CONFIG task index {task_index!r} is out of range for "
+            f"{len(cluster[task_type])} {task_type} task(s); use 0.."
+            f"{len(cluster[task_type]) - 1}"
+        )
     all_addresses = [a for addresses in cluster.values() for a in addresses]
     if len(set(all_addresses)) != len(all_addresses):
         raise UsageError("TF_CONFIG lists the same host:port twice; every task needs its own port")
@@ -104,8 +107,10 @@ def rendezvous(cluster: ClusterConfig, timeout: float) -> None:
     try:
         listener.bind(("", int(port)))
     except OSError as error:
-        raise UsageError(f"this worker's port {cluster.address} is not free ({error.strerror}); "
-                         "pick another port in TF_CONFIG or stop what holds it") from None
+        raise UsageError(
+            f"this worker's port {cluster.address} is not free ({error.strerror}); "
+            "pick another port in TF_CONFIG or stop what holds it"
+        ) from None
     listener.listen(64)
     listener.settimeout(0.2)
     done = threading.Event()
@@ -134,7 +139,8 @@ def rendezvous(cluster: ClusterConfig, timeout: float) -> None:
         raise UsageError(
             f"worker {cluster.task_type}:{cluster.task_index} ({cluster.address}) could not reach "
             f"{', '.join(sorted(waiting))} within {timeout:g} s; start every worker, check the "
-            "addresses and firewalls, or raise --startup_timeout")
+            "addresses and firewalls, or raise --startup_timeout"
+        )
 
 
 def _peers(cluster: ClusterConfig) -> list[str]:

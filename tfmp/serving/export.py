@@ -1,6 +1,6 @@
 """Export a trained Keras model for serving: SavedModel, TFLite and `.keras`, in any precision.
 
-    from tfmp import export
+    from tfmp.serving import export
     report = export.export(model, "runs/x/export", formats=("saved_model", "tflite", "keras"),
                            precision="bfloat16", metadata={"image_shape": [32, 32, 3]},
                            reference_images=eval_images)
@@ -27,7 +27,7 @@ so a served ResNet runs one fused conv+bias+relu instead of five element-wise op
 The softmax stays in float32 in every precision: it has no weights, and float32 keeps the small
 probabilities that top-k reports.
 
-Detectors (dict outputs, `tfmp.models.retinanet`) export through `tfmp.export_detector`: their
+Detectors (dict outputs, `tfmp.detection.retinanet`) export through `tfmp.serving.detector`: their
 `serving_default` returns float32 boxes and scores (int32 classes, counts) after NMS, their
 `.tflite` the raw outputs (NMS is no TFLite builtin), and their table compares per output.
 
@@ -50,8 +50,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import export_detector
 from tfmp.errors import UsageError, unknown
+from tfmp.serving import detector as export_detector
 
 FORMATS = ("saved_model", "tflite", "keras")
 PRECISIONS = ("float32", "float16", "bfloat16", "mixed")
@@ -84,7 +84,7 @@ def layer_policy(precision: str) -> str:
 
 
 def model_kind(model: keras.Model) -> str:
-    """"classifier" (one probabilities tensor) or "detector" (a dict of outputs)."""
+    """ "classifier" (one probabilities tensor) or "detector" (a dict of outputs)."""
     return "detector" if isinstance(model.output, dict) else "classifier"
 
 
@@ -122,10 +122,14 @@ def _batch_norm_folds(model: keras.Model) -> dict[str, str]:
             continue
         producer = parents[0].operation
         axis = layer.axis if isinstance(layer.axis, int) else None
-        if (isinstance(producer, _FOLDABLE) and not producer.use_bias
-                and producer.get_config().get("activation") == "linear"
-                and len(producer._inbound_nodes) == 1 and len(producer._outbound_nodes) == 1
-                and axis in (-1, len(layer.input.shape) - 1)):
+        if (
+            isinstance(producer, _FOLDABLE)
+            and not producer.use_bias
+            and producer.get_config().get("activation") == "linear"
+            and len(producer._inbound_nodes) == 1
+            and len(producer._outbound_nodes) == 1
+            and axis in (-1, len(layer.input.shape) - 1)
+        ):
             folds[layer.name] = producer.name
     return folds
 
@@ -143,8 +147,9 @@ def _folded_weights(producer, batch_norm) -> list[np.ndarray]:
     return [kernel.astype(np.float32), shift.astype(np.float32)]
 
 
-def inference_copy(model: keras.Model, precision: str, fold_batch_norms: bool = True,
-                   keep_float32_layers: bool = False) -> keras.Model:
+def inference_copy(
+    model: keras.Model, precision: str, fold_batch_norms: bool = True, keep_float32_layers: bool = False
+) -> keras.Model:
     """A functional copy for serving: BatchNorm folded, every layer in `precision`'s policy
     (float16/bfloat16: half variables, half compute), the softmax output in float32.
     `keep_float32_layers`: layers a half/mixed model runs in float32 on purpose (a detector's
@@ -152,8 +157,11 @@ def inference_copy(model: keras.Model, precision: str, fold_batch_norms: bool = 
     policy = layer_policy(precision)
     source_policies = [layer.dtype_policy.name for layer in model.layers if layer.weights]
     mostly_float32 = source_policies.count("float32") * 2 > len(source_policies)
-    keep = {layer.name for layer in model.layers if keep_float32_layers and not mostly_float32
-            and layer.dtype_policy.name == "float32"}
+    keep = {
+        layer.name
+        for layer in model.layers
+        if keep_float32_layers and not mostly_float32 and layer.dtype_policy.name == "float32"
+    }
     folds = _batch_norm_folds(model) if fold_batch_norms else {}
     folded_producers = set(folds.values())
     output_layers = {tensor._keras_history.operation.name for tensor in tf.nest.flatten(model.output)}
@@ -171,8 +179,10 @@ def inference_copy(model: keras.Model, precision: str, fold_batch_norms: bool = 
     try:
         copy = keras.models.clone_model(model, clone_function=clone_layer)
     except (TypeError, ValueError) as error:
-        raise UsageError(f"model {model.name!r} cannot be copied for export (only functional and "
-                         f"sequential models can): {str(error).splitlines()[0]}") from None
+        raise UsageError(
+            f"model {model.name!r} cannot be copied for export (only functional and "
+            f"sequential models can): {str(error).splitlines()[0]}"
+        ) from None
     source_layers = {layer.name: layer for layer in model.layers}
     for layer in copy.layers:
         source = source_layers.get(layer.name)
@@ -204,15 +214,18 @@ def _classifier_serving(model: keras.Model, options: dict):
 SERVING_BUILDERS = {
     "classifier": _classifier_serving,
     "detector": lambda model, options: export_detector.serving_endpoints(
-        model, options=options, input_name=INPUT_NAME, raw_only=options.get("raw_only", False)),
+        model, options=options, input_name=INPUT_NAME, raw_only=options.get("raw_only", False)
+    ),
 }
 
 
 def _check_kind(model: keras.Model) -> str:
     kind = model_kind(model)
     if kind not in SERVING_BUILDERS:
-        raise UsageError(f"model {model.name!r} is a {kind} (dict outputs); its export is not "
-                         f"available yet: register tfmp.export.SERVING_BUILDERS[{kind!r}]")
+        raise UsageError(
+            f"model {model.name!r} is a {kind} (dict outputs); its export is not "
+            f"available yet: register tfmp.serving.export.SERVING_BUILDERS[{kind!r}]"
+        )
     return kind
 
 
@@ -222,13 +235,16 @@ def write_saved_model(model: keras.Model, path: str, options: dict | None = None
     endpoints = SERVING_BUILDERS[model_kind(model)](model, options or {})
     archive = keras.export.ExportArchive()
     archive.track(model)
-    for name, function in (endpoints if isinstance(endpoints, dict) else {"serving_default": endpoints}).items():
+    for name, function in (
+        endpoints if isinstance(endpoints, dict) else {"serving_default": endpoints}
+    ).items():
         archive.add_endpoint(name, function)
     archive.write_out(path, verbose=False)
 
 
-def write_tflite(float32_model: keras.Model, path: str, float16_weights: bool,
-                 options: dict | None = None) -> None:
+def write_tflite(
+    float32_model: keras.Model, path: str, float16_weights: bool, options: dict | None = None
+) -> None:
     """TFLite flatbuffer of a float32 inference copy, built-in ops only, float32 I/O."""
     # Through a SavedModel: converting a concrete function of a Keras 3 model directly loses
     # its variables (the converter does not freeze them; the file holds no weights).
@@ -245,9 +261,16 @@ def write_tflite(float32_model: keras.Model, path: str, float16_weights: bool,
 
 
 # ----------------------------------------------------------------------------- one export
-def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str = "float32", *,
-           metadata: dict | None = None, reference_images: np.ndarray | None = None,
-           detector_options: dict | None = None) -> dict:
+def export(
+    model: keras.Model,
+    output_dir: str,
+    formats=FORMATS,
+    precision: str = "float32",
+    *,
+    metadata: dict | None = None,
+    reference_images: np.ndarray | None = None,
+    detector_options: dict | None = None,
+) -> dict:
     """Writes `output_dir/<precision>/` (artifacts + export.json) and returns the report.
 
     Everything is written to a temporary sibling first and renamed into place at the end, so
@@ -256,13 +279,14 @@ def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str 
     difference table compares on; random images are used when there are none.
     `detector_options` (score_threshold, iou_threshold, max_detections) set a detector's NMS.
     """
-    from tfmp import inference
+    from tfmp.serving import predictors as inference
 
     formats = check_request(formats, precision)
     kind = _check_kind(model)
     model = strip_for_inference(model)
-    detector = kind == "detector" and export_detector.options_for(model, detector_options,
-                                                                  (metadata or {}).get("model"))
+    detector = kind == "detector" and export_detector.options_for(
+        model, detector_options, (metadata or {}).get("model")
+    )
     if reference_images is None:
         reference_images = np.random.default_rng(0).uniform(size=(64, *model.input.shape[1:]))
     reference_images = np.asarray(reference_images, np.float32)
@@ -277,16 +301,23 @@ def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str 
     os.chmod(temporary, 0o777 & ~umask)  # mkdtemp's 0700 would hide the export from a server
     try:
         if detector:
-            rows = export_detector.write_and_compare(model, precision, formats, temporary,
-                                                     reference_images, detector)
+            rows = export_detector.write_and_compare(
+                model, precision, formats, temporary, reference_images, detector
+            )
         else:
             rows = _write_and_compare(model, precision, formats, temporary, reference_images)
-        report = dict(metadata or {}, kind=kind, precision=precision, layer_policy=layer_policy(precision),
-                      source_layer_policy=next((layer.dtype_policy.name for layer in model.layers
-                                                if layer.weights), None),
-                      batch_norms_folded=len(_batch_norm_folds(model)),
-                      preprocessing=inference.Preprocessing.from_shape(model.input.shape[1:]).to_json(),
-                      artifacts=rows)
+        report = dict(
+            metadata or {},
+            kind=kind,
+            precision=precision,
+            layer_policy=layer_policy(precision),
+            source_layer_policy=next(
+                (layer.dtype_policy.name for layer in model.layers if layer.weights), None
+            ),
+            batch_norms_folded=len(_batch_norm_folds(model)),
+            preprocessing=inference.Preprocessing.from_shape(model.input.shape[1:]).to_json(),
+            artifacts=rows,
+        )
         report.setdefault("compared_with", f"{len(reference_images)} images")
         if detector:
             report.update(detector=detector)
@@ -305,44 +336,56 @@ def export(model: keras.Model, output_dir: str, formats=FORMATS, precision: str 
 
 def _write_and_compare(model, precision, formats, directory, reference_images) -> list[dict]:
     """Writes each format into `directory`, reloads it and compares it with the model."""
-    from tfmp import inference
+    from tfmp.serving import predictors as inference
 
     copy = inference_copy(model, precision)
     writers = {
         "saved_model": lambda path: write_saved_model(copy, path),
         "tflite": lambda path: write_tflite(
-            copy if precision == "float32" else inference_copy(model, "float32"), path,
-            float16_weights=precision != "float32"),
+            copy if precision == "float32" else inference_copy(model, "float32"),
+            path,
+            float16_weights=precision != "float32",
+        ),
         "keras": lambda path: copy.save(path),
     }
-    loaders = {"saved_model": inference.SavedModelPredictor, "tflite": inference.TFLitePredictor,
-               "keras": inference.KerasPredictor}
+    loaders = {
+        "saved_model": inference.SavedModelPredictor,
+        "tflite": inference.TFLitePredictor,
+        "keras": inference.KerasPredictor,
+    }
     file_names = {"saved_model": SAVED_MODEL_DIR, "tflite": TFLITE_FILE, "keras": KERAS_FILE}
     # The reference is the trained weights computed in float32: the exact function the
     # training policy approximated, so each row shows what its precision costs.
-    expected = reference_outputs(inference_copy(model, "float32", fold_batch_norms=False),
-                                 reference_images)
+    expected = reference_outputs(inference_copy(model, "float32", fold_batch_norms=False), reference_images)
     rows = []
     for name in formats:
         path = os.path.join(directory, file_names[name])
         writers[name](path)
         outputs = loaders[name](path, {}).predict(reference_images)
-        rows.append({
-            "format": name, "file": file_names[name],
-            "precision": "float16 weights, float32 compute" if name == "tflite" and precision != "float32"
-            else precision,
-            "size_bytes": disk_size(path),
-            "max_abs_difference": float(np.max(np.abs(outputs - expected))),
-            "top1_agreement": float(np.mean(outputs.argmax(-1) == expected.argmax(-1))),
-        })
+        rows.append(
+            {
+                "format": name,
+                "file": file_names[name],
+                "precision": "float16 weights, float32 compute"
+                if name == "tflite" and precision != "float32"
+                else precision,
+                "size_bytes": disk_size(path),
+                "max_abs_difference": float(np.max(np.abs(outputs - expected))),
+                "top1_agreement": float(np.mean(outputs.argmax(-1) == expected.argmax(-1))),
+            }
+        )
     return rows
 
 
 def reference_outputs(model, images, batch_size=64):
     """The trained model's float32 outputs, the reference every artifact is compared with."""
     call = lambda batch: tf.cast(model(batch, training=False), tf.float32)  # eager: called once
-    return np.concatenate([call(tf.constant(images[start:start + batch_size])).numpy()
-                           for start in range(0, len(images), batch_size)])
+    return np.concatenate(
+        [
+            call(tf.constant(images[start : start + batch_size])).numpy()
+            for start in range(0, len(images), batch_size)
+        ]
+    )
 
 
 def _replace_directory(new: str, final: str) -> None:
@@ -360,30 +403,48 @@ def disk_size(path: str) -> int:
     """Bytes of a file, or of every file under a directory."""
     if os.path.isfile(path):
         return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(root, name))
-               for root, _, names in os.walk(path) for name in names)
+    return sum(
+        os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names
+    )
 
 
 def format_table(rows: list[dict]) -> str:
-    """The difference table as aligned text (a detector's: per output, see tfmp.export_detector)."""
+    """The difference table as aligned text (a detector's: per output, see tfmp.serving.detector)."""
     header = ("format", "precision", "size", "max |diff| vs Keras float32", "top-1 agreement")
-    lines = [(row["format"], row["precision"], f"{row['size_bytes'] / 2**20:.2f} MiB",
-              f"{row['max_abs_difference']:.2e}", f"{100 * row['top1_agreement']:.1f}%") for row in rows
-             if "top1_agreement" in row]
+    lines = [
+        (
+            row["format"],
+            row["precision"],
+            f"{row['size_bytes'] / 2**20:.2f} MiB",
+            f"{row['max_abs_difference']:.2e}",
+            f"{100 * row['top1_agreement']:.1f}%",
+        )
+        for row in rows
+        if "top1_agreement" in row
+    ]
     if rows and "detection_agreement" in rows[0]:
         header, lines = export_detector.table_lines(rows)
     widths = [max(len(str(cells[i])) for cells in [header, *lines]) for i in range(len(header))]
-    return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths)).rstrip()
-                     for cells in [header, *lines])
+    return "\n".join(
+        "  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths)).rstrip()
+        for cells in [header, *lines]
+    )
 
 
 # ----------------------------------------------------------------------------- a training run
-def export_run(run_dir: str, formats=FORMATS, precision: str = "float32", output_dir: str | None = None,
-               eval_batches: int = 2, batch_size: int = 32, detector_options: dict | None = None) -> dict:
+def export_run(
+    run_dir: str,
+    formats=FORMATS,
+    precision: str = "float32",
+    output_dir: str | None = None,
+    eval_batches: int = 2,
+    batch_size: int = 32,
+    detector_options: dict | None = None,
+) -> dict:
     """Exports `run_dir/model.keras` to `output_dir` (default `run_dir/export`)/<precision>/,
     compared on `eval_batches` eval batches of the run's dataset (random images if the data
     cannot be read here). Everything a user can get wrong is checked before writing."""
-    from tfmp import inference
+    from tfmp.serving import predictors as inference
 
     formats = check_request(formats, precision)
     if eval_batches < 1 or batch_size < 1:
@@ -392,37 +453,57 @@ def export_run(run_dir: str, formats=FORMATS, precision: str = "float32", output
     if not os.path.isdir(run_dir):
         raise UsageError(f"--model_dir={run_dir} does not exist; give a training run dir")
     if not os.path.isfile(model_path):
-        raise UsageError(f"--model_dir={run_dir} holds no {inference.RUN_MODEL_FILE}; "
-                         "train to the end first (the model is saved when a run finishes)")
+        raise UsageError(
+            f"--model_dir={run_dir} holds no {inference.RUN_MODEL_FILE}; "
+            "train to the end first (the model is saved when a run finishes)"
+        )
     model = inference.KerasPredictor(model_path, {}).model
     metadata = inference.run_metadata(run_dir)
     found = None
     if model_kind(model) == "detector" and metadata.get("dataset"):
         options = export_detector.options_for(model, detector_options, metadata.get("model"))
-        found = export_detector.eval_images(metadata, options["image_size"], options, eval_batches, batch_size)
+        found = export_detector.eval_images(
+            metadata, options["image_size"], options, eval_batches, batch_size
+        )
     images, source = found or _eval_images(metadata, tuple(model.input.shape[1:]), eval_batches, batch_size)
     metadata.update(source_model=os.path.abspath(model_path), compared_with=source)
-    return export(model, output_dir or os.path.join(run_dir, "export"), formats, precision,
-                  metadata=metadata, reference_images=images, detector_options=detector_options)
+    return export(
+        model,
+        output_dir or os.path.join(run_dir, "export"),
+        formats,
+        precision,
+        metadata=metadata,
+        reference_images=images,
+        detector_options=detector_options,
+    )
 
 
 def _eval_images(metadata: dict, image_shape, batches: int, batch_size: int):
     """(images, description): eval batches of the run's dataset, or random images."""
-    from tfmp import data
+    from tfmp.classification import data
 
     dataset = metadata.get("dataset")
     if dataset and dataset != "synthetic":
         try:
-            stream, _ = data.load(dataset, "eval", batch_size, image_size=metadata.get("image_size"),
-                                  data_dir=metadata.get("data_dir"), training=False)
+            stream, _ = data.load(
+                dataset,
+                "eval",
+                batch_size,
+                image_size=metadata.get("image_size"),
+                data_dir=metadata.get("data_dir"),
+                training=False,
+            )
             images = np.concatenate([batch.numpy() for batch, _ in stream.take(batches)])
             if images.shape[1:] == image_shape:
                 return images, f"{len(images)} eval images of {dataset}"
         except Exception as error:  # data not readable here: the comparison still means something
             from absl import logging
 
-            logging.warning("tfmp.export: eval data of %s unavailable (%s); comparing on random "
-                            "images", dataset, str(error).splitlines()[0] if str(error) else error)
+            logging.warning(
+                "tfmp.serving.export: eval data of %s unavailable (%s); comparing on random images",
+                dataset,
+                str(error).splitlines()[0] if str(error) else error,
+            )
     rng = np.random.default_rng(0)
     images = rng.uniform(size=(batches * batch_size, *image_shape)).astype(np.float32)
     return images, f"{len(images)} random images"

@@ -1,6 +1,6 @@
 """Pipeline benchmark: K=2 stages with M micro-batches against the unsplit model, in one process.
 
-    from tfmp import bench_pipeline
+    from tfmp.bench import pipeline as bench_pipeline
     rows = bench_pipeline.measure("seed_cnn", image_size=32, global_batch=64, micro_batches=(1, 2, 4, 8))
     print(bench_pipeline.table(rows))
 
@@ -30,15 +30,18 @@ import time
 
 import numpy as np
 
+
 def _devices():
     import tensorflow as tf
 
-    from tfmp import distribute
+    from tfmp.distribute import strategies as distribute
 
     if not tf.config.list_physical_devices("GPU"):  # listing logical devices would start TF
         distribute.split_cpu(2)  # refuses (one line) when TensorFlow already runs on one device
-    return [device.name for device in (tf.config.list_logical_devices("GPU")
-                                       or tf.config.list_logical_devices("CPU"))][:2]
+    return [
+        device.name
+        for device in (tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU"))
+    ][:2]
 
 
 def _build(model_name, image_size, policy, devices=None, micro_batches=1):
@@ -46,9 +49,10 @@ def _build(model_name, image_size, policy, devices=None, micro_batches=1):
     import keras
     import tensorflow as tf
 
-    from tfmp import models, pipeline, precision
-    from tfmp.engine import Engine
-    from tfmp.classification import compile_classifier
+    from tfmp import models, precision
+    from tfmp.classification.task import compile_classifier
+    from tfmp.pipeline import plan as pipeline
+    from tfmp.training.engine import Engine
 
     keras.utils.set_random_seed(0)
     strategy = tf.distribute.get_strategy()
@@ -94,8 +98,9 @@ def _stage_run(stage, rows: int, micro_batches: int):
                 with tf.device(stage.device), tf.GradientTape() as tape:
                     tape.watch(inputs)
                     outputs = stage.model(inputs, training=True)
-                gradients = tape.gradient(outputs, variables + [inputs],
-                                          output_gradients=tf.ones_like(outputs))
+                gradients = tape.gradient(
+                    outputs, variables + [inputs], output_gradients=tf.ones_like(outputs)
+                )
                 total += tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in gradients])
         return total
 
@@ -111,16 +116,30 @@ def _memory(model, plan, rows):
     for names in groups:
         layers = [model.get_layer(name) for name in names]
         parameters = sum(math.prod(w.shape) for layer in layers for w in layer.weights)
-        activations = sum(math.prod(layer.output.shape[1:]) * rows * np.dtype(layer.compute_dtype).itemsize
-                          for layer in layers if not isinstance(layer, keras.layers.InputLayer))
-        result.append({"parameters": int(parameters), "parameter_bytes": int(parameters * 4 * 2),
-                       "activation_bytes": int(activations)})
+        activations = sum(
+            math.prod(layer.output.shape[1:]) * rows * np.dtype(layer.compute_dtype).itemsize
+            for layer in layers
+            if not isinstance(layer, keras.layers.InputLayer)
+        )
+        result.append(
+            {
+                "parameters": int(parameters),
+                "parameter_bytes": int(parameters * 4 * 2),
+                "activation_bytes": int(activations),
+            }
+        )
     return result
 
 
-def measure(model_name: str = "seed_cnn", image_size: int = 32, global_batch: int = 64,
-            micro_batches=(1, 2, 4, 8), steps: int = 5, repeats: int = 3,
-            policy: str = "float32") -> list[dict]:
+def measure(
+    model_name: str = "seed_cnn",
+    image_size: int = 32,
+    global_batch: int = 64,
+    micro_batches=(1, 2, 4, 8),
+    steps: int = 5,
+    repeats: int = 3,
+    policy: str = "float32",
+) -> list[dict]:
     """Rows for the unsplit model and K=2 pipelines with each M; see the module docstring."""
     import tensorflow as tf
 
@@ -153,15 +172,25 @@ def measure(model_name: str = "seed_cnn", image_size: int = 32, global_batch: in
 
 
 def _row(engine, plan, micro, step, busy, global_batch, policy, devices) -> dict:
-    row = {"model": engine.model.name, "policy": policy, "global_batch": global_batch,
-           "stages": len(plan.stages) if plan else 1, "micro_batches": micro,
-           "images_per_second": global_batch / step, "step_seconds": step,
-           "devices": _memory(engine.model, plan, global_batch)}
+    row = {
+        "model": engine.model.name,
+        "policy": policy,
+        "global_batch": global_batch,
+        "stages": len(plan.stages) if plan else 1,
+        "micro_batches": micro,
+        "images_per_second": global_batch / step,
+        "step_seconds": step,
+        "devices": _memory(engine.model, plan, global_batch),
+    }
     if plan is None:
         row["devices"][0]["device"] = devices[0]
         return row
-    row.update(bubble_theory=plan.bubble, bubble_measured=1 - (sum(busy) / len(busy)) / step,
-               stage_busy_seconds=busy, layers=[f"{s.layers[0]}..{s.layers[-1]}" for s in plan.stages])
+    row.update(
+        bubble_theory=plan.bubble,
+        bubble_measured=1 - (sum(busy) / len(busy)) / step,
+        stage_busy_seconds=busy,
+        layers=[f"{s.layers[0]}..{s.layers[-1]}" for s in plan.stages],
+    )
     for device, stage in zip(row["devices"], plan.stages):
         device["device"] = stage.device
     return row
@@ -172,10 +201,14 @@ def table(rows: list[dict]) -> str:
     header = f"{'K':>2} {'M':>2} {'img/s':>8} {'rel':>5} {'bubble':>6} {'meas.':>6}"
     lines = [header + "  per device: parameters / activation MiB"]
     for row in rows:
-        devices = "  ".join(f"{d['device'][-5:]} {d['parameters']:,} / "
-                            f"{d['activation_bytes'] / 2**20:.1f}" for d in row["devices"])
+        devices = "  ".join(
+            f"{d['device'][-5:]} {d['parameters']:,} / {d['activation_bytes'] / 2**20:.1f}"
+            for d in row["devices"]
+        )
         theory = f"{row['bubble_theory']:.2f}" if "bubble_theory" in row else "-"
         measured = f"{row['bubble_measured']:.2f}" if "bubble_measured" in row else "-"
-        lines.append(f"{row['stages']:>2} {row['micro_batches'] or '-':>2} {row['images_per_second']:8.1f} "
-                     f"{row['relative']:5.2f} {theory:>6} {measured:>6}  {devices}")
+        lines.append(
+            f"{row['stages']:>2} {row['micro_batches'] or '-':>2} {row['images_per_second']:8.1f} "
+            f"{row['relative']:5.2f} {theory:>6} {measured:>6}  {devices}"
+        )
     return "\n".join(lines)

@@ -1,13 +1,13 @@
 """Load any tfmp model artifact, preprocess images as training did, and predict.
 
-    from tfmp import inference
+    from tfmp.serving import predictors as inference
     predictor = inference.load("runs/x")          # a run dir, an export dir, a SavedModel dir,
                                                   # a .tflite or a .keras file
     images = inference.read_images(["cat.png"], predictor.preprocessing)
     probabilities = predictor.predict(images)     # float32 (N, classes)
     print(inference.top_k(probabilities[0], 5, predictor.class_names))
 
-Preprocessing is the one of `tfmp.data`'s image folders: decode, float32 in [0, 1], bilinear
+Preprocessing is the one of `tfmp.classification.data`'s image folders: decode, float32 in [0, 1], bilinear
 resize with antialiasing to the model's input size, clip to [0, 1]. The size and channels come
 from the model's input; class names from the export's `export.json`, or, for a run dir, from the
 dataset named in its `flags.txt` (resolved flags written by training).
@@ -16,7 +16,6 @@ dataset named in its `flags.txt` (resolved flags written by training).
 from __future__ import annotations
 
 import abc
-
 import dataclasses
 import json
 import os
@@ -27,7 +26,7 @@ import tensorflow as tf
 from tfmp.errors import UsageError
 
 RUN_MODEL_FILE, RUN_FLAGS_FILE, RUN_CARD_FILE = "model.keras", "flags.txt", "run_card.json"
-METADATA_FILE = "export.json"  # = tfmp.export.METADATA_FILE (kept here so loading stays light)
+METADATA_FILE = "export.json"  # = tfmp.serving.export.METADATA_FILE (kept here so loading stays light)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +38,12 @@ class Preprocessing:
     channels: int
 
     def to_json(self) -> dict:
-        return {"image_shape": [self.height, self.width, self.channels], "dtype": "float32",
-                "value_range": [0.0, 1.0], "resize": "bilinear, antialias, clipped to [0, 1]"}
+        return {
+            "image_shape": [self.height, self.width, self.channels],
+            "dtype": "float32",
+            "value_range": [0.0, 1.0],
+            "resize": "bilinear, antialias, clipped to [0, 1]",
+        }
 
     @classmethod
     def from_shape(cls, shape) -> Preprocessing:
@@ -54,16 +57,23 @@ def read_images(paths, preprocessing: Preprocessing) -> np.ndarray:
     images = []
     for path in paths:
         try:
-            raw = tf.io.decode_image(tf.io.read_file(path), channels=preprocessing.channels,
-                                     expand_animations=False)
+            raw = tf.io.decode_image(
+                tf.io.read_file(path), channels=preprocessing.channels, expand_animations=False
+            )
         except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError, ValueError) as error:
             reason = "no such file" if isinstance(error, tf.errors.NotFoundError) else "not a decodable image"
             raise UsageError(f"image {path!r}: {reason}; give jpg, png, bmp or gif files") from None
-        image = tf.image.resize(tf.image.convert_image_dtype(raw, tf.float32),
-                                (preprocessing.height, preprocessing.width), antialias=True)
+        image = tf.image.resize(
+            tf.image.convert_image_dtype(raw, tf.float32),
+            (preprocessing.height, preprocessing.width),
+            antialias=True,
+        )
         images.append(tf.clip_by_value(image, 0.0, 1.0).numpy())
-    return np.stack(images) if images else np.zeros((0, preprocessing.height, preprocessing.width,
-                                                     preprocessing.channels), np.float32)
+    return (
+        np.stack(images)
+        if images
+        else np.zeros((0, preprocessing.height, preprocessing.width, preprocessing.channels), np.float32)
+    )
 
 
 def top_k(probabilities: np.ndarray, k: int, class_names=None) -> list[dict]:
@@ -98,8 +108,10 @@ class Predictor(abc.ABC):
         """(height, width, channels) the artifact takes."""
 
     def predict(self, images: np.ndarray, batch_size: int = 64) -> np.ndarray:
-        outputs = [self.predict_batch(np.asarray(images[start:start + batch_size], np.float32))
-                   for start in range(0, len(images), batch_size)]
+        outputs = [
+            self.predict_batch(np.asarray(images[start : start + batch_size], np.float32))
+            for start in range(0, len(images), batch_size)
+        ]
         return np.concatenate(outputs) if outputs else np.zeros((0, 0), np.float32)
 
     @abc.abstractmethod
@@ -109,8 +121,10 @@ class Predictor(abc.ABC):
     def predict_outputs(self, images: np.ndarray, batch_size: int = 64, **kwargs) -> dict:
         """Every named output ({"probabilities"} for a classifier, {"classes", "boxes"} raw
         outputs of a detector), float32 numpy, batch by batch."""
-        batches = [self.outputs_batch(np.asarray(images[start:start + batch_size], np.float32), **kwargs)
-                   for start in range(0, len(images), batch_size)]
+        batches = [
+            self.outputs_batch(np.asarray(images[start : start + batch_size], np.float32), **kwargs)
+            for start in range(0, len(images), batch_size)
+        ]
         return {key: np.concatenate([batch[key] for batch in batches]) for key in batches[0]}
 
     def outputs_batch(self, images: np.ndarray) -> dict:
@@ -120,11 +134,13 @@ class Predictor(abc.ABC):
         """(raw outputs, detections) of a detector artifact; the detections are decoded here
         exactly as an exported SavedModel's serving_default decodes them (export.json's
         "detector" section: anchors, thresholds)."""
-        from tfmp import export_detector
+        from tfmp.serving import detector as export_detector
 
         if not self.metadata.get("detector"):
-            raise UsageError(f"{self.path!r} is not an exported detector (its export.json has no "
-                             "detector section); export the run with apps.export first")
+            raise UsageError(
+                f"{self.path!r} is not an exported detector (its export.json has no "
+                "detector section); export the run with apps.export first"
+            )
         raw = self.predict_outputs(images, batch_size)
         return raw, export_detector.decode(raw, self.metadata["detector"])
 
@@ -135,7 +151,7 @@ class KerasPredictor(Predictor):
     def __init__(self, path, metadata, model=None):
         import keras
 
-        from tfmp import export, models, precision  # noqa: F401  (register tfmp layers)
+        from tfmp import models, precision  # noqa: F401  (register tfmp layers)
 
         if model is None:
             try:
@@ -180,8 +196,9 @@ class SavedModelPredictor(Predictor):
 
     def predict_batch(self, images):
         outputs = self.serve(**{self.input_name: tf.constant(images)})
-        return np.asarray(outputs["probabilities"] if "probabilities" in outputs
-                          else next(iter(outputs.values())))
+        return np.asarray(
+            outputs["probabilities"] if "probabilities" in outputs else next(iter(outputs.values()))
+        )
 
     def outputs_batch(self, images, signature: str = "serving_default"):
         outputs = self.loaded.signatures[signature](**{self.input_name: tf.constant(images)})
@@ -189,11 +206,13 @@ class SavedModelPredictor(Predictor):
 
     def detector_outputs(self, images, batch_size=64):
         """(raw outputs from the `raw_outputs` signature, detections from serving_default)."""
-        from tfmp import export_detector
+        from tfmp.serving import detector as export_detector
 
         if export_detector.RAW_SIGNATURE not in self.loaded.signatures:
-            raise UsageError(f"SavedModel {self.path!r} is not an exported detector (no "
-                             f"{export_detector.RAW_SIGNATURE} signature)")
+            raise UsageError(
+                f"SavedModel {self.path!r} is not an exported detector (no "
+                f"{export_detector.RAW_SIGNATURE} signature)"
+            )
         raw = self.predict_outputs(images, batch_size, signature=export_detector.RAW_SIGNATURE)
         return raw, self.predict_outputs(images, batch_size)
 
@@ -212,8 +231,9 @@ class TFLitePredictor(Predictor):
 
     def __init__(self, path, metadata, num_threads: int | None = None):
         try:
-            self.interpreter = tflite_interpreter_class()(model_path=path,
-                                                          num_threads=num_threads or os.cpu_count())
+            self.interpreter = tflite_interpreter_class()(
+                model_path=path, num_threads=num_threads or os.cpu_count()
+            )
             self.interpreter.allocate_tensors()
         except (ValueError, RuntimeError) as error:
             raise UsageError(f"cannot load TFLite model {path!r}: {str(error).splitlines()[0]}") from None
@@ -239,8 +259,10 @@ class TFLitePredictor(Predictor):
         # resizes its input tensor to each batch.
         if not hasattr(self, "_runner"):
             self._runner = self.interpreter.get_signature_runner("serving_default")
-        return {key: np.asarray(value).copy() for key, value in self._runner(**{
-            next(iter(self._runner.get_input_details())): images}).items()}
+        return {
+            key: np.asarray(value).copy()
+            for key, value in self._runner(**{next(iter(self._runner.get_input_details())): images}).items()
+        }
 
 
 # ----------------------------------------------------------------------------- finding artifacts
@@ -265,20 +287,25 @@ def run_metadata(run_dir: str) -> dict:
         with open(os.path.join(run_dir, RUN_CARD_FILE), encoding="utf-8") as file:
             dataset = str(json.load(file).get("dataset", "")).split(" ")[0] or None
     image_size = flags.get("image_size")
-    metadata = {"model": flags.get("model"), "dataset": dataset, "data_dir": flags.get("data_dir"),
-                "image_size": int(image_size) if image_size and image_size.isdigit() else None,
-                "class_names": None}
+    metadata = {
+        "model": flags.get("model"),
+        "dataset": dataset,
+        "data_dir": flags.get("data_dir"),
+        "image_size": int(image_size) if image_size and image_size.isdigit() else None,
+        "class_names": None,
+    }
     if dataset and is_detector_run(run_dir):
         from tfmp.detection import data as detection_data
 
         try:  # a detection dataset's names (classification's "shapes" has other classes)
-            info = detection_data.describe(dataset, image_size=metadata["image_size"],
-                                           data_dir=metadata["data_dir"])
+            info = detection_data.describe(
+                dataset, image_size=metadata["image_size"], data_dir=metadata["data_dir"]
+            )
             metadata["class_names"] = list(info.class_names)
         except Exception:
             pass
     elif dataset:
-        from tfmp import data
+        from tfmp.classification import data
 
         try:  # names need the dataset's description only (a folder listing, TFDS metadata)
             info = data.describe(dataset, image_size=metadata["image_size"], data_dir=metadata["data_dir"])
@@ -290,7 +317,7 @@ def run_metadata(run_dir: str) -> dict:
 
 def is_detector_run(run_dir: str) -> bool:
     """Whether a training run dir trained a detector (its flags.txt names one)."""
-    from tfmp.models import retinanet
+    from tfmp.detection import retinanet
 
     return read_run_flags(run_dir).get("model") in retinanet.DETECTORS
 
@@ -328,23 +355,33 @@ def load(path: str) -> Predictor:
             return KerasPredictor(path, metadata or {})
         raise UsageError(f"--model={path} is a file but neither .tflite nor .keras")
     if not os.path.isdir(path):
-        raise UsageError(f"--model={path} does not exist; give a run dir, an export dir, a "
-                         "SavedModel dir, a .tflite or a .keras file")
+        raise UsageError(
+            f"--model={path} does not exist; give a run dir, an export dir, a "
+            "SavedModel dir, a .tflite or a .keras file"
+        )
     if os.path.isfile(os.path.join(path, "saved_model.pb")):
         metadata = _export_metadata(path) or _export_metadata(os.path.dirname(path)) or {}
         return SavedModelPredictor(path, metadata)
     metadata = _export_metadata(path)
     if metadata is not None:  # an export dir: the SavedModel serves best, then .keras, .tflite
-        for name, predictor in (("saved_model", SavedModelPredictor), ("model.keras", KerasPredictor),
-                                ("model.tflite", TFLitePredictor)):
+        for name, predictor in (
+            ("saved_model", SavedModelPredictor),
+            ("model.keras", KerasPredictor),
+            ("model.tflite", TFLitePredictor),
+        ):
             if os.path.exists(os.path.join(path, name)):
                 return predictor(os.path.join(path, name), metadata)
     if os.path.isfile(os.path.join(path, RUN_MODEL_FILE)):
         return KerasPredictor(os.path.join(path, RUN_MODEL_FILE), run_metadata(path))
-    exports = sorted(name for name in os.listdir(path)
-                     if os.path.isfile(os.path.join(path, name, METADATA_FILE)))
+    exports = sorted(
+        name for name in os.listdir(path) if os.path.isfile(os.path.join(path, name, METADATA_FILE))
+    )
     if exports:  # RUN/export: one dir per precision
-        raise UsageError(f"--model={path} holds exports in several precisions; pick one: "
-                         + ", ".join(os.path.join(path, name) for name in exports))
-    raise UsageError(f"--model={path} holds no model (no {RUN_MODEL_FILE}, saved_model.pb or "
-                     f"{METADATA_FILE}); train first or point at an export")
+        raise UsageError(
+            f"--model={path} holds exports in several precisions; pick one: "
+            + ", ".join(os.path.join(path, name) for name in exports)
+        )
+    raise UsageError(
+        f"--model={path} holds no model (no {RUN_MODEL_FILE}, saved_model.pb or "
+        f"{METADATA_FILE}); train first or point at an export"
+    )

@@ -1,11 +1,11 @@
 """Inference benchmark of exported artifacts: latency, throughput and size per format x precision.
 
     python -m apps.bench --mode=inference --models=seed_cnn,resnet20 --precisions=float32,bfloat16
-    from tfmp import bench_inference
+    from tfmp.bench import inference as bench_inference
     report = bench_inference.run(bench_inference.InferenceBenchConfig(["resnet20"], ["float32", "bfloat16"]))
 
 For each model (random weights: speed does not depend on them) it exports every precision with
-`tfmp.export`, loads every artifact (SavedModel signature, LiteRT/TFLite interpreter, `.keras`
+`tfmp.serving.export`, loads every artifact (SavedModel signature, LiteRT/TFLite interpreter, `.keras`
 model called in a tf.function) plus the training model in float32 as the reference, and
 measures side by side in one process: latency at batch 1 (p50/p99 over single calls) and
 throughput at a large batch (images/s, median and spread of `repeats` timed repeats), and the
@@ -34,7 +34,7 @@ MNIST_SHAPED = ("mnist_mlp", "lenet")
 @dataclasses.dataclass
 class InferenceBenchConfig:
     models: list[str]
-    precisions: list[str]  # export precisions (tfmp.export.PRECISIONS) or "auto"
+    precisions: list[str]  # export precisions (tfmp.serving.export.PRECISIONS) or "auto"
     formats: list[str] = dataclasses.field(default_factory=lambda: ["saved_model", "tflite", "keras"])
     image_size: int = 32
     batch_size: int = 64  # the throughput batch
@@ -45,13 +45,15 @@ class InferenceBenchConfig:
 
 def resolve_precisions(names) -> list[str]:
     """Export precisions; "auto" is the half dtype this hardware computes fastest (or float32)."""
-    from tfmp import export, precision
+    from tfmp import precision
+    from tfmp.serving import export
 
     resolved = []
     for name in names:
         if name == "auto":
             name = {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}.get(
-                precision.resolve("auto").policy, "float32")
+                precision.resolve("auto").policy, "float32"
+            )
         if name not in export.PRECISIONS:
             raise unknown("inference precision", name, export.PRECISIONS + ("auto",))
         resolved.append(name)
@@ -59,7 +61,8 @@ def resolve_precisions(names) -> list[str]:
 
 
 def _validate(config: InferenceBenchConfig) -> None:
-    from tfmp import export, models
+    from tfmp import models
+    from tfmp.serving import export
 
     for name in config.models:
         if name not in models.MODELS:
@@ -73,28 +76,51 @@ def _validate(config: InferenceBenchConfig) -> None:
 
 def _artifacts(model, name: str, precisions, formats, directory: str) -> list[dict]:
     """Exports `model` in every precision; returns one entry per artifact to time."""
-    from tfmp import export, inference
+    from tfmp.serving import export
+    from tfmp.serving import predictors as inference
 
-    entries = [{"model": name, "format": "keras (training model)", "precision": "float32",
-                "size_bytes": None, "load": lambda: inference.KerasPredictor("", {}, model=model)}]
+    entries = [
+        {
+            "model": name,
+            "format": "keras (training model)",
+            "precision": "float32",
+            "size_bytes": None,
+            "load": lambda: inference.KerasPredictor("", {}, model=model),
+        }
+    ]
     tflite_seen = set()
     for precision in precisions:
         export.export(model, directory, formats, precision)
         for form in formats:
-            path = os.path.join(directory, precision, {"saved_model": export.SAVED_MODEL_DIR,
-                                                       "tflite": export.TFLITE_FILE,
-                                                       "keras": export.KERAS_FILE}[form])
+            path = os.path.join(
+                directory,
+                precision,
+                {
+                    "saved_model": export.SAVED_MODEL_DIR,
+                    "tflite": export.TFLITE_FILE,
+                    "keras": export.KERAS_FILE,
+                }[form],
+            )
             label = precision
             if form == "tflite":  # every half precision exports the same float16-weight file
                 label = "float32" if precision == "float32" else "float16 weights"
                 if label in tflite_seen:
                     continue
                 tflite_seen.add(label)
-            loader = {"saved_model": inference.SavedModelPredictor, "tflite": inference.TFLitePredictor,
-                      "keras": inference.KerasPredictor}[form]
-            entries.append({"model": name, "format": form, "precision": label,
-                            "size_bytes": export.disk_size(path),
-                            "load": lambda loader=loader, path=path: loader(path, {})})
+            loader = {
+                "saved_model": inference.SavedModelPredictor,
+                "tflite": inference.TFLitePredictor,
+                "keras": inference.KerasPredictor,
+            }[form]
+            entries.append(
+                {
+                    "model": name,
+                    "format": form,
+                    "precision": label,
+                    "size_bytes": export.disk_size(path),
+                    "load": lambda loader=loader, path=path: loader(path, {}),
+                }
+            )
     return entries
 
 
@@ -130,11 +156,14 @@ def _measure(entries, image_shape, config) -> None:
         latencies = np.asarray(entry.pop("latencies")) * 1000
         throughputs = entry.pop("throughputs")
         del entry["predictors"], entry["load"]
-        entry.update(latency_ms_p50=float(np.percentile(latencies, 50)),
-                     latency_ms_p99=float(np.percentile(latencies, 99)), latency_calls=len(latencies),
-                     images_per_sec=statistics.median(throughputs),
-                     images_per_sec_spread=[min(throughputs), max(throughputs)],
-                     images_per_sec_repeats=throughputs)
+        entry.update(
+            latency_ms_p50=float(np.percentile(latencies, 50)),
+            latency_ms_p99=float(np.percentile(latencies, 99)),
+            latency_calls=len(latencies),
+            images_per_sec=statistics.median(throughputs),
+            images_per_sec_spread=[min(throughputs), max(throughputs)],
+            images_per_sec_repeats=throughputs,
+        )
 
 
 def _ratios(rows) -> list[dict]:
@@ -146,16 +175,30 @@ def _ratios(rows) -> list[dict]:
             if ("saved_model", half) in find and ("saved_model", "float32") in find:
                 # Paired per repeat (the two ran seconds apart), then the median: robust to
                 # other processes' load, which moves both numbers of a pair alike.
-                pairs = zip(find["saved_model", half]["images_per_sec_repeats"],
-                            find["saved_model", "float32"]["images_per_sec_repeats"])
+                pairs = zip(
+                    find["saved_model", half]["images_per_sec_repeats"],
+                    find["saved_model", "float32"]["images_per_sec_repeats"],
+                )
                 per_repeat = [half_speed / float32_speed for half_speed, float32_speed in pairs]
-                result.append({"model": model, "ratio": f"saved_model {half} / float32 throughput",
-                               "value": statistics.median(per_repeat), "per_repeat": per_repeat,
-                               "goal": ">= 1.3" if half == "bfloat16" else None})
+                result.append(
+                    {
+                        "model": model,
+                        "ratio": f"saved_model {half} / float32 throughput",
+                        "value": statistics.median(per_repeat),
+                        "per_repeat": per_repeat,
+                        "goal": ">= 1.3" if half == "bfloat16" else None,
+                    }
+                )
         if ("tflite", "float16 weights") in find and ("tflite", "float32") in find:
             value = find["tflite", "float16 weights"]["size_bytes"] / find["tflite", "float32"]["size_bytes"]
-            result.append({"model": model, "ratio": "tflite float16-weight / float32 size",
-                           "value": value, "goal": "<= 0.52"})
+            result.append(
+                {
+                    "model": model,
+                    "ratio": "tflite float16-weight / float32 size",
+                    "value": value,
+                    "goal": "<= 0.52",
+                }
+            )
     return result
 
 
@@ -166,7 +209,8 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
     import keras
     import tensorflow as tf
 
-    from tfmp import bench, models
+    from tfmp import models
+    from tfmp.bench import matrix as bench
 
     # Each .keras artifact gets its own tf.function, traced once; TensorFlow counts those first
     # traces across instances and warns about "retracing", which here is expected.
@@ -183,12 +227,17 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
             progress(f"{name}: timing {len(entries)} artifacts, {config.repeats} interleaved repeats ...")
             _measure(entries, shape, config)
             rows += entries
-    report = {"config": dataclasses.asdict(config), "precisions": precisions,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "hardware": bench.hardware(),
-              "load_average": {"start": load_at_start, "end": os.getloadavg()},
-              "seconds": round(time.time() - started, 1),
-              "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
-              "rows": rows, "ratios": _ratios(rows)}
+    report = {
+        "config": dataclasses.asdict(config),
+        "precisions": precisions,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "hardware": bench.hardware(),
+        "load_average": {"start": load_at_start, "end": os.getloadavg()},
+        "seconds": round(time.time() - started, 1),
+        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
+        "rows": rows,
+        "ratios": _ratios(rows),
+    }
     with open(os.path.join(config.output_dir, "inference_bench.json"), "w", encoding="utf-8") as file:
         json.dump(report, file, indent=2)
     return report
@@ -197,18 +246,22 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
 def table(report: dict) -> str:
     """Markdown table of the rows plus the goal ratios."""
     load = report["load_average"]
-    lines = [f"batch-1 latency and batch-{report['config']['batch_size']} throughput, "
-             f"{report['config']['repeats']} interleaved repeats; 1-min load average "
-             f"{load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end "
-             f"on {report['hardware'].get('cpu_cores')} cores",
-             "| model | format | precision | size MiB | batch 1 p50 ms | p99 ms | images/s (spread) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"batch-1 latency and batch-{report['config']['batch_size']} throughput, "
+        f"{report['config']['repeats']} interleaved repeats; 1-min load average "
+        f"{load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end "
+        f"on {report['hardware'].get('cpu_cores')} cores",
+        "| model | format | precision | size MiB | batch 1 p50 ms | p99 ms | images/s (spread) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in report["rows"]:
         size = f"{row['size_bytes'] / 2**20:.2f}" if row["size_bytes"] else "-"
         low, high = row["images_per_sec_spread"]
-        lines.append(f"| {row['model']} | {row['format']} | {row['precision']} | {size} | "
-                     f"{row['latency_ms_p50']:.2f} | {row['latency_ms_p99']:.2f} | "
-                     f"{row['images_per_sec']:,.0f} ({low:,.0f}-{high:,.0f}) |")
+        lines.append(
+            f"| {row['model']} | {row['format']} | {row['precision']} | {size} | "
+            f"{row['latency_ms_p50']:.2f} | {row['latency_ms_p99']:.2f} | "
+            f"{row['images_per_sec']:,.0f} ({low:,.0f}-{high:,.0f}) |"
+        )
     for ratio in report["ratios"]:
         goal = f" (goal {ratio['goal']})" if ratio["goal"] else ""
         spread = ""

@@ -1,6 +1,6 @@
 """Choosing and describing the `tf.distribute.Strategy` a run uses.
 
-    from tfmp import distribute
+    from tfmp.distribute import strategies as distribute
     distribute.split_cpu(2)                       # before TensorFlow touches a device
     strategy = distribute.get_strategy("auto")
     distribute.per_replica_batch(256, strategy)   # 128 on 2 replicas; refuses 100 on 3
@@ -23,7 +23,7 @@ import time
 import tensorflow as tf
 from absl import logging
 
-from tfmp.cluster import ClusterConfig, parse_tf_config, rendezvous
+from tfmp.distribute.cluster import ClusterConfig, parse_tf_config, rendezvous
 from tfmp.errors import UsageError, unknown
 
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
@@ -64,9 +64,12 @@ def set_threads(intra_op: int = 0, inter_op: int = 0) -> None:
             tf.config.threading.set_inter_op_parallelism_threads(inter_op)
     except RuntimeError:
         if (intra_op and tf.config.threading.get_intra_op_parallelism_threads() != intra_op) or (
-                inter_op and tf.config.threading.get_inter_op_parallelism_threads() != inter_op):
-            raise UsageError(f"cannot set intra-op {intra_op} / inter-op {inter_op} threads: TensorFlow already "
-                             "started; set them before any TensorFlow op (once per process)") from None
+            inter_op and tf.config.threading.get_inter_op_parallelism_threads() != inter_op
+        ):
+            raise UsageError(
+                f"cannot set intra-op {intra_op} / inter-op {inter_op} threads: TensorFlow already "
+                "started; set them before any TensorFlow op (once per process)"
+            ) from None
 
 
 def _local_devices() -> list[str]:
@@ -74,8 +77,9 @@ def _local_devices() -> list[str]:
     return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
 
 
-def get_strategy(name: str = "auto", tf_config: str | None = None,
-                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT) -> tf.distribute.Strategy:
+def get_strategy(
+    name: str = "auto", tf_config: str | None = None, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+) -> tf.distribute.Strategy:
     """Returns the strategy for `name` (see STRATEGIES); never None.
 
     `tf_config` defaults to the TF_CONFIG environment variable and is validated first.
@@ -98,8 +102,10 @@ def get_strategy(name: str = "auto", tf_config: str | None = None,
         name = "mirrored" if len(devices) > 1 else "default"
         logging.info("strategy auto -> %s (%d local devices)", name, len(devices))
     if multi_task:
-        raise UsageError(f"--strategy={name} with a TF_CONFIG of {cluster.num_workers} tasks would "
-                         "train each worker alone; use --strategy=multi_worker (or auto) or unset TF_CONFIG")
+        raise UsageError(
+            f"--strategy={name} with a TF_CONFIG of {cluster.num_workers} tasks would "
+            "train each worker alone; use --strategy=multi_worker (or auto) or unset TF_CONFIG"
+        )
     if name == "default":
         return tf.distribute.get_strategy()
     if name == "one_device":
@@ -113,16 +119,22 @@ def get_strategy(name: str = "auto", tf_config: str | None = None,
 
 def _multi_worker(cluster: ClusterConfig | None, startup_timeout: float) -> tf.distribute.Strategy:
     if cluster is None:
-        raise UsageError("--strategy=multi_worker needs TF_CONFIG naming the cluster and this task; "
-                         "start workers with `python -m tfmp.launch` or set TF_CONFIG")
+        raise UsageError(
+            "--strategy=multi_worker needs TF_CONFIG naming the cluster and this task; "
+            "start workers with `python -m tfmp.launch` or set TF_CONFIG"
+        )
     if cluster.task_type in ("ps", "evaluator"):
-        raise UsageError(f"TF_CONFIG task type {cluster.task_type!r} is not a training worker for "
-                         "MultiWorkerMirroredStrategy; use chief/worker")
+        raise UsageError(
+            f"TF_CONFIG task type {cluster.task_type!r} is not a training worker for "
+            "MultiWorkerMirroredStrategy; use chief/worker"
+        )
     cpu = tf.config.list_physical_devices("CPU")[0]
     split = tf.config.get_logical_device_configuration(cpu) or []
     if len(split) > 1 and not tf.config.list_physical_devices("GPU"):
-        raise UsageError("--cpu_replicas>1 with --strategy=multi_worker is not supported: "
-                         "MultiWorkerMirroredStrategy runs one CPU replica per worker; start more workers")
+        raise UsageError(
+            "--cpu_replicas>1 with --strategy=multi_worker is not supported: "
+            "MultiWorkerMirroredStrategy runs one CPU replica per worker; start more workers"
+        )
     rendezvous(cluster, startup_timeout)
     return tf.distribute.MultiWorkerMirroredStrategy()
 
@@ -145,8 +157,7 @@ def describe(strategy: tf.distribute.Strategy) -> Topology:
         cluster = resolver.cluster_spec().as_dict()
         workers = len(cluster.get("chief", [])) + len(cluster.get("worker", []))
         task_type, task_id = resolver.task_type, resolver.task_id
-        is_chief = task_type == "chief" or (task_type == "worker" and task_id == 0
-                                            and "chief" not in cluster)
+        is_chief = task_type == "chief" or (task_type == "worker" and task_id == 0 and "chief" not in cluster)
     try:
         devices = tuple(strategy.extended.worker_devices)
     except RuntimeError:  # the default strategy has no device list: it places ops as TF does
@@ -162,13 +173,16 @@ def per_replica_batch(global_batch_size: int, strategy: tf.distribute.Strategy) 
     if global_batch_size % replicas:
         lower = global_batch_size // replicas * replicas
         suggestion = f"{lower} or {lower + replicas}" if lower else f"{replicas}"
-        raise UsageError(f"global batch {global_batch_size} is not divisible by {replicas} "
-                         f"replicas; use a multiple of {replicas}, e.g. {suggestion}")
+        raise UsageError(
+            f"global batch {global_batch_size} is not divisible by {replicas} "
+            f"replicas; use a multiple of {replicas}, e.g. {suggestion}"
+        )
     return global_batch_size // replicas
 
 
-def scale_learning_rate(learning_rate: float, global_batch_size: int, reference_batch_size: int,
-                        rule: str) -> float:
+def scale_learning_rate(
+    learning_rate: float, global_batch_size: int, reference_batch_size: int, rule: str
+) -> float:
     """Goyal et al.'s linear rule (or the sqrt rule) for a global batch vs a reference batch."""
     if rule not in LR_SCALING:
         raise unknown("lr scaling rule", rule, LR_SCALING)
@@ -204,8 +218,11 @@ _barriers = itertools.count()
 LEADER_GRACE_SECONDS = 3.0
 
 
-def barrier(strategy: tf.distribute.Strategy, timeout_seconds: float = 600.0,
-            leader_grace_seconds: float = LEADER_GRACE_SECONDS) -> None:
+def barrier(
+    strategy: tf.distribute.Strategy,
+    timeout_seconds: float = 600.0,
+    leader_grace_seconds: float = LEADER_GRACE_SECONDS,
+) -> None:
     """Waits until every worker of a multi-worker run gets here; a no-op on one host.
 
     Ending a run at a barrier lets the workers leave together. The coordination service lives in
