@@ -16,36 +16,19 @@ import os
 import keras
 import tensorflow as tf
 
+from tfmp import run_dir
 from tfmp.detection import boxes, data, retinanet, visualize
 from tfmp.errors import UsageError
 
 
-def run_flags(model_dir: str) -> dict:
-    """The `--name=value` lines of a run's flags.txt, as a dict of strings."""
-    path = os.path.join(model_dir, "flags.txt")
-    if not os.path.isfile(path):
-        raise UsageError(
-            f"{model_dir!r} is not a tfmp run directory (no flags.txt); pass the --model_dir "
-            "of a finished apps.detect run"
-        )
-    values = {}
-    for line in open(path, encoding="utf-8"):
-        if line.startswith("--") and "=" in line:
-            name, _, value = line[2:].strip().partition("=")
-            values[name] = value
-    return values
-
-
 def load_detector(model_dir: str) -> tuple[keras.Model, dict, data.DetectionInfo]:
-    flags = run_flags(model_dir)
+    flags = run_dir.read_flags(model_dir, required=True)
     if flags.get("model") not in retinanet.DETECTORS:
         raise UsageError(
             f"run {model_dir!r} trained {flags.get('model')!r}, not a detector; "
             f"use apps.predict for classifiers"
         )
-    path = os.path.join(model_dir, "model.keras")
-    if not os.path.isfile(path):
-        raise UsageError(f"run {model_dir!r} has no model.keras (unfinished run?); train it to the end first")
+    path = run_dir.model_path(model_dir)
     image_size = int(flags["image_size"]) if flags.get("image_size") not in (None, "None") else None
     info = data.describe(
         flags.get("dataset", "shapes"), image_size=image_size, data_dir=flags.get("data_dir")

@@ -24,9 +24,10 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
+from tfmp import run_dir
 from tfmp.errors import UsageError
 
-SUBDIR = "checkpoints"
+SUBDIR = run_dir.CHECKPOINT_DIR
 # What a damaged or mismatched checkpoint raises while being read (a truncated data file gives
 # IndexError "Read less bytes than requested" from the reader, not an OpError).
 _READ_ERRORS = (tf.errors.OpError, AssertionError, ValueError, IndexError, KeyError, EOFError)

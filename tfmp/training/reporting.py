@@ -19,8 +19,8 @@ import keras
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-RUN_CARD = "run_card.json"
-METRICS = "metrics.jsonl"
+from tfmp import run_dir
+
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 ).SerializeToString()
@@ -42,13 +42,13 @@ class Reporter:
         self._metrics_file = None
         self._progress = None
         if model_dir:
-            self._metrics_file = open(os.path.join(model_dir, METRICS), "a", encoding="utf-8")
+            self._metrics_file = open(os.path.join(model_dir, run_dir.METRICS_FILE), "a", encoding="utf-8")
 
     def run_card(self, card: dict) -> None:
         if self.verbose:
             print(format_run_card(card), flush=True)
         if self.model_dir:
-            with open(os.path.join(self.model_dir, RUN_CARD), "w", encoding="utf-8") as file:
+            with open(os.path.join(self.model_dir, run_dir.RUN_CARD_FILE), "w", encoding="utf-8") as file:
                 json.dump(card, file, indent=2, default=str)
 
     def _writer(self, split: str):

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import optim, precision, pruning
+from tfmp import optim, precision, pruning, run_dir
 from tfmp.classification import task as classification
 from tfmp.distribute import strategies as distribute
 from tfmp.distribute.launch import RUN_NAME_ENV
@@ -34,8 +34,6 @@ from tfmp.training.loop import Loop, LoopSettings
 from tfmp.training.reporting import Reporter
 
 XLA_CHOICES = ("auto", "on", "off")
-MODEL_FILE = "model.keras"
-FLAGS_FILE = "flags.txt"
 
 
 @dataclasses.dataclass
@@ -321,7 +319,7 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None, t
         model_dir if plan.topology.is_chief else None, verbose=config.verbose and plan.topology.is_chief
     )
     if resolved_flags and plan.topology.is_chief:
-        with open(os.path.join(model_dir, FLAGS_FILE), "w", encoding="utf-8") as file:
+        with open(os.path.join(model_dir, run_dir.FLAGS_FILE), "w", encoding="utf-8") as file:
             file.write(resolved_flags)
     try:
         data_for_epoch, evaluate, shard_policies = task.inputs(config, plan, engine, start_step)
@@ -351,7 +349,7 @@ def train_and_evaluate(config: TrainConfig, resolved_flags: str | None = None, t
         # A pruned model is saved stripped: a plain Keras model with its zeros, no masks.
         saved = pruning.strip(model) if pruner else model
         if plan.topology.is_chief:
-            saved.save(os.path.join(model_dir, MODEL_FILE))
+            saved.save(os.path.join(model_dir, run_dir.MODEL_FILE))
         distribute.barrier(plan.strategy)
     finally:
         reporter.close()

@@ -1,0 +1,75 @@
+"""Every file name inside a run directory, and reading a finished run's flags back.
+
+A run directory (`--model_dir`, default `runs/<model>-<dataset>-<time>`) holds:
+
+    flags.txt          the resolved flags, `--name=value` per line (what `apps.* --flagfile=` reads)
+    run_card.json      every setting that decides speed and numerics (printed at start too)
+    metrics.jsonl      one JSON object per log point: step, split, loss, accuracy, lr, ...
+    checkpoints/       tf.train checkpoints (model, optimizer, loss scale, step, global batch)
+    model.keras        the trained model, saved by the chief at the end
+    export/<precision>/   what `apps.export` writes (see `tfmp.serving.export`)
+
+This module imports nothing heavy, so the launcher and `apps.predict` can read a run cheaply:
+
+    from tfmp import run_dir
+    flags = run_dir.read_flags("runs/seed_cnn-shapes-20261201-101500")   # {"model": "seed_cnn", ...}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tfmp.errors import UsageError
+
+FLAGS_FILE = "flags.txt"
+RUN_CARD_FILE = "run_card.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+MODEL_FILE = "model.keras"
+EXPORT_DIR = "export"
+EXPORT_METADATA_FILE = "export.json"  # inside each export/<precision>/ directory
+
+
+def is_run_dir(path: str) -> bool:
+    """Whether `path` looks like a tfmp training run (it has the resolved flags)."""
+    return os.path.isfile(os.path.join(path, FLAGS_FILE))
+
+
+def read_flags(path: str, required: bool = False) -> dict[str, str]:
+    """The `--name=value` lines of a run's flags.txt as a dict of strings ({} if there is none).
+
+    With `required=True` a directory without flags.txt is a UsageError naming it.
+    """
+    flags_path = os.path.join(path, FLAGS_FILE)
+    if not os.path.isfile(flags_path):
+        if required:
+            raise UsageError(
+                f"{path!r} is not a tfmp run directory (no {FLAGS_FILE}); pass the --model_dir of a "
+                "finished training run"
+            )
+        return {}
+    flags = {}
+    with open(flags_path, encoding="utf-8") as file:
+        for line in file:
+            name, equals, value = line.strip().partition("=")
+            if name.startswith("--") and equals:
+                flags[name[2:]] = value
+    return flags
+
+
+def read_run_card(path: str) -> dict:
+    """The run card a run wrote at its start ({} if there is none)."""
+    card_path = os.path.join(path, RUN_CARD_FILE)
+    if not os.path.isfile(card_path):
+        return {}
+    with open(card_path, encoding="utf-8") as file:
+        return json.load(file)
+
+
+def model_path(path: str) -> str:
+    """The run's saved model; a UsageError if the run has not finished (no model.keras yet)."""
+    saved = os.path.join(path, MODEL_FILE)
+    if not os.path.isfile(saved):
+        raise UsageError(f"run {path!r} has no {MODEL_FILE} (unfinished run?); train it to the end first")
+    return saved
