@@ -16,7 +16,10 @@ from tfmp.distribute import strategies as distribute
 from tfmp.distribute.launch import STARTUP_TIMEOUT_ENV
 from tfmp.errors import UsageError
 from tfmp.training.config import TrainConfig
+from tfmp.training.diagnosis import DEFAULT_STEPS as DEFAULT_DIAGNOSE_STEPS
+from tfmp.training.diagnosis import diagnose_precision
 from tfmp.training.plan import XLA_CHOICES
+from tfmp.training.run import train_and_evaluate
 
 FLAGS = flags.FLAGS
 
@@ -47,6 +50,19 @@ flags.DEFINE_bool("mixed", False, "Best mixed policy for this hardware (same as 
 flags.DEFINE_string(
     "loss_scale", "auto", "auto (dynamic for mixed_float16), dynamic, none or a fixed number."
 )
+flags.DEFINE_list(
+    "float32_layers",
+    [],
+    "Layers (regexes matching whole names) built in float32 whatever --precision; what "
+    "--diagnose_precision recommends.",
+)
+flags.DEFINE_bool(
+    "diagnose_precision",
+    False,
+    "Run the precision doctor instead of training: per-layer float16/bfloat16 overflow, underflow and "
+    "error on the first --diagnose_steps batches; writes precision_report.json in the run dir.",
+)
+flags.DEFINE_integer("diagnose_steps", DEFAULT_DIAGNOSE_STEPS, "Batches --diagnose_precision measures.")
 flags.DEFINE_string("strategy", "auto", f"Distribution: {', '.join(distribute.STRATEGIES)}.")
 flags.DEFINE_integer(
     "cpu_replicas", 0, "Split the CPU into N logical devices (MirroredStrategy without GPUs)."
@@ -116,6 +132,7 @@ def config_from_flags(**overrides) -> TrainConfig:
     values = {name: FLAGS[name].value for name in TRAIN_FLAGS}
     values["precision"] = precision_from_flags()
     values["pipeline_boundaries"] = tuple(values["pipeline_boundaries"])
+    values["float32_layers"] = tuple(values["float32_layers"])
     values.update(overrides)
     return TrainConfig.from_flat(**values)
 
@@ -125,6 +142,17 @@ def resolved_flags(app_name: str, config: TrainConfig) -> str:
     lines = [f"# resolved flags of: python -m apps.{app_name} {' '.join(sys.argv[1:])}"]
     values = config.flat()
     for name in TRAIN_FLAGS:
-        if values[name] is not None:
-            lines.append(f"--{name}={values[name]}")
+        value = ",".join(values[name]) if isinstance(values[name], tuple) else values[name]  # list flags
+        if value is not None:
+            lines.append(f"--{name}={value}")
     return "\n".join(lines) + "\n"
+
+
+def train_or_diagnose(app_name: str, config: TrainConfig, task) -> None:
+    """Trains per `config`, or with --diagnose_precision only runs the precision doctor (exit 0)."""
+    if FLAGS.diagnose_precision:
+        if FLAGS.diagnose_steps < 1:
+            raise UsageError(f"--diagnose_steps={FLAGS.diagnose_steps} must be a positive number of batches")
+        diagnose_precision(config, task, FLAGS.diagnose_steps)
+        return
+    train_and_evaluate(config, task, resolved_flags=resolved_flags(app_name, config))

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import run_python
 
 import tfmp
 from tfmp import precision
@@ -99,11 +100,13 @@ def test_overflowing_layer_is_named_and_its_float32_copy_trains_without_skipped_
 def test_healthy_model_needs_no_float32_layer():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu", dtype=F16, name="hidden")(inputs)
+    scaled = keras.layers.Rescaling(0.5, dtype=F16, name="rescale")(inputs)  # weightless first layer
+    hidden = keras.layers.Dense(16, activation="relu", dtype=F16, name="hidden")(scaled)
     outputs = keras.layers.Dense(1, dtype="float32", name="out")(hidden)
     model = _compiled(keras.Model(inputs, outputs, name="healthy"))
     report = precision.diagnose(model, _regression_data(), steps=2)
     assert report.float32_layers == [] and report.float32_layers_for("mixed_bfloat16") == []
+    assert all(layer.output_gradient["max_abs"] > 0 for layer in report.layers)
     assert report.verdict() == "no layer needs float32"
     assert f"{F16}: no layer needs float32" in precision.format_report(report)
     assert report.steps == 2 and report.examples == 16
@@ -175,3 +178,64 @@ def test_diagnose_refuses_what_it_cannot_measure():
         precision.diagnose(model, _regression_data().take(0))
     with pytest.raises(UsageError, match="policy='float32'"):
         precision.diagnose(model, _regression_data(), policy="float32")
+
+
+@pytest.mark.slow  # each starts TensorFlow in a new process
+@pytest.mark.parametrize(
+    "app, extra",
+    [
+        ("classify", ["--global_batch_size=16"]),
+        ("mnist", ["--global_batch_size=16"]),
+        ("detect", ["--global_batch_size=2"]),
+    ],
+)
+def test_app_flag_writes_the_report_and_trains_nothing(tmp_path, app, extra):
+    result = run_python(
+        [
+            "-m",
+            f"apps.{app}",
+            "--precision=mixed_float16",
+            "--diagnose_precision",
+            "--diagnose_steps=1",
+            f"--model_dir={tmp_path}",
+            *extra,
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / precision.REPORT_FILE).read_text())
+    assert report["steps"] == 1 and report["policy"] == F16 and report["layers"]
+    assert report["float32_layers"] == {F16: [], "mixed_bfloat16": []}  # the built-in models are healthy
+    assert f"{F16}: no layer needs float32" in result.stdout
+    assert sorted(path.name for path in tmp_path.iterdir()) == [precision.REPORT_FILE]  # no training
+
+
+@pytest.mark.slow
+def test_app_float32_layers_flag_builds_them_in_float32_and_says_so(tmp_path):
+    patterns = "seed_cnn_dense,seed_cnn_conv[12]"
+    result = run_python(
+        [
+            "-m",
+            "apps.classify",
+            "--precision=mixed_float16",
+            f"--float32_layers={patterns}",
+            "--steps=2",
+            "--global_batch_size=16",
+            f"--model_dir={tmp_path}",
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = json.loads((tmp_path / "run_card.json").read_text())
+    assert (
+        card["float32 layers"]
+        == f"seed_cnn_conv1, seed_cnn_conv2, seed_cnn_dense (--float32_layers={patterns})"
+    )
+    assert f"--float32_layers={patterns}" in (tmp_path / "flags.txt").read_text()
+    saved = keras.saving.load_model(tmp_path / "model.keras", compile=False)
+    dtypes = {layer.name: layer.dtype_policy.name for layer in saved.layers}
+    assert (
+        dtypes["seed_cnn_conv1"] == dtypes["seed_cnn_dense"] == "float32" and dtypes["seed_cnn_conv3"] == F16
+    )
+
+    bad = run_python(["-m", "apps.classify", "--float32_layers=nope", f"--model_dir={tmp_path / 'bad'}"])
+    assert bad.returncode == 2 and "error: float32 layer pattern 'nope' matches no layer" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "bad").exists()

@@ -52,6 +52,23 @@ class ClassificationTask:
     def compile(self, model, optimizer, plan) -> keras.Model:
         return compile_classifier(model, optimizer, plan.strategy)
 
+    def train_dataset(self, config, plan, input_context=None, skip_examples: int = 0):
+        """(endless training stream of (images, labels), shard policy); global batches without
+        `input_context`, per-replica batches of this pipeline's shard with one."""
+        return data.load(
+            config.data.dataset,
+            "train",
+            config.data.global_batch_size,
+            image_size=config.data.image_size,
+            data_dir=config.data.data_dir,
+            input_context=input_context,
+            training=True,
+            augment=config.data.augment,
+            cache=config.data.cache,
+            seed=config.seed,
+            skip_examples=skip_examples,
+        )
+
     def inputs(self, config, plan, engine, start_step: int):
         """The loop's data (one endless stream, positioned at `start_step`) and its evaluation."""
         shard_policies = []
@@ -60,19 +77,7 @@ class ClassificationTask:
         def train_input(input_context):
             # Resume: each input pipeline skips what it fed before the checkpoint.
             skip = start_step * config.data.global_batch_size // input_context.num_input_pipelines
-            dataset, shard_policy = data.load(
-                config.data.dataset,
-                "train",
-                config.data.global_batch_size,
-                image_size=config.data.image_size,
-                data_dir=config.data.data_dir,
-                input_context=input_context,
-                training=True,
-                augment=config.data.augment,
-                cache=config.data.cache,
-                seed=config.seed,
-                skip_examples=skip,
-            )
+            dataset, shard_policy = self.train_dataset(config, plan, input_context, skip)
             shard_policies.append(shard_policy)
             return data.with_threads(dataset, config.data.data_threads)
 

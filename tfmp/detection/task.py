@@ -83,6 +83,22 @@ class DetectionTask:
         )
         return compile_detector(model, optimizer, plan.strategy, num_anchors)
 
+    def train_dataset(self, config, plan, input_context=None, skip_examples: int = 0):
+        """(endless stream of (images, matched anchor targets), shard policy); global batches
+        without `input_context`, per-replica batches of this pipeline's shard with one."""
+        return data.load(
+            config.data.dataset,
+            "train",
+            config.data.global_batch_size,
+            anchors=self.anchors(config, plan),
+            image_size=plan.info.image_size,
+            data_dir=config.data.data_dir,
+            input_context=input_context,
+            augment=config.data.augment,
+            seed=config.seed,
+            skip_examples=skip_examples,
+        )
+
     def inputs(self, config, plan, engine, start_step: int):
         """One endless training stream positioned at `start_step`, and COCO evaluation."""
         shard_policies = []
@@ -90,18 +106,7 @@ class DetectionTask:
 
         def train_input(input_context):
             skip = start_step * config.data.global_batch_size // input_context.num_input_pipelines
-            dataset, policy = data.load(
-                config.data.dataset,
-                "train",
-                config.data.global_batch_size,
-                anchors=anchors,
-                image_size=size,
-                data_dir=config.data.data_dir,
-                input_context=input_context,
-                augment=config.data.augment,
-                seed=config.seed,
-                skip_examples=skip,
-            )
+            dataset, policy = self.train_dataset(config, plan, input_context, skip)
             shard_policies.append(policy)
             return classification_data.with_threads(dataset, config.data.data_threads)
 

@@ -188,7 +188,7 @@ class _Tap:
         # The same layers (same weights) called on new inputs, every call recorded.
         graph = keras.models.clone_model(functional, clone_function=lambda layer: layer, call_function=record)
         self.model = keras.Model(
-            graph.inputs,
+            graph.input,
             {
                 "prediction": graph.output,
                 "arguments": [node.tensors(node.arguments) for node in self.nodes],
@@ -236,7 +236,11 @@ def _forward_backward(tap: _Tap, batch, scale: float, stats: dict) -> tuple[dict
     """One batch through the float32 tap: magnitudes of outputs and gradients, per layer."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     weights = tap.reference.trainable_weights
+    x = keras.tree.map_structure(tf.convert_to_tensor, x)
     with tf.GradientTape() as tape:
+        # Watched inputs: a tape records an op only if it touches a watched tensor, so a
+        # weightless first layer (Flatten, Rescaling) would otherwise have no output gradient.
+        tape.watch([tensor for tensor in keras.tree.flatten(x) if tensor.dtype.is_floating])
         values = tap.model(x, training=True)
         loss = tap.reference.compute_loss(
             x=x, y=y, y_pred=values["prediction"], sample_weight=sample_weight, training=True

@@ -14,7 +14,9 @@ import dataclasses
 import json
 import os
 
-REPORT_FILE = "precision_report.json"
+from tfmp import run_dir
+
+REPORT_FILE = run_dir.PRECISION_REPORT_FILE
 HALF_POLICIES = ("mixed_float16", "mixed_bfloat16")
 HEALTHY = "no layer needs float32"
 

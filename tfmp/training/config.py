@@ -55,6 +55,9 @@ class PrecisionConfig:
 
     policy: str = dataclasses.field(default="float32", metadata={"flag": "precision"})
     loss_scale: str = "auto"
+    # Regexes (full match) of layers built with the float32 policy whatever `policy` is: what
+    # the precision doctor (`--diagnose_precision`) recommends. () = the builders' own choice.
+    float32_layers: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass

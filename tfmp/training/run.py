@@ -29,7 +29,7 @@ from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.config import TrainConfig
 from tfmp.training.engine import Engine
 from tfmp.training.loop import Loop, LoopSettings
-from tfmp.training.plan import default_model_dir, make_plan
+from tfmp.training.plan import Plan, default_model_dir, make_plan
 from tfmp.training.reporting import Reporter
 from tfmp.training.task import Task
 
@@ -48,14 +48,8 @@ def train_and_evaluate(config: TrainConfig, task: Task, resolved_flags: str | No
         if config.verbose and plan.topology.is_chief:
             print(f"WARNING: {plan.warning}", flush=True)
     keras.utils.set_random_seed(config.seed)
-    with plan.strategy.scope():
-        # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
-        optimizer = precision.wrap_optimizer(
-            optim.build(config.optimization.optimizer, plan.schedule, config.optimization.weight_decay),
-            plan.policy,
-            plan.loss_scale,
-        )
-    model = task.build_model(config, plan)
+    optimizer = build_optimizer(config, plan)
+    model = build_model(config, plan, task)
     stages = None
     if config.pipeline.pipeline_stages > 1:
         stages = pipeline.plan(
@@ -143,6 +137,34 @@ def train_and_evaluate(config: TrainConfig, task: Task, resolved_flags: str | No
     return _summary(config, plan, saved, engine, result, model_dir, task, pruner)
 
 
+def build_optimizer(config: TrainConfig, plan: Plan) -> keras.optimizers.Optimizer:
+    """The run's optimizer, with the loss scaling its policy needs, in the run's strategy."""
+    with plan.strategy.scope():
+        # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
+        return precision.wrap_optimizer(
+            optim.build(config.optimization.optimizer, plan.schedule, config.optimization.weight_decay),
+            plan.policy,
+            plan.loss_scale,
+        )
+
+
+def build_model(config: TrainConfig, plan: Plan, task: Task) -> keras.Model:
+    """The task's model, with the layers `--float32_layers` names rebuilt in float32."""
+    model = task.build_model(config, plan)
+    if not config.precision.float32_layers:
+        return model
+    with plan.strategy.scope():  # the copy's variables belong to the run's strategy too
+        return precision.float32_layers(model, config.precision.float32_layers)
+
+
+def _float32_layers_card(config: TrainConfig, model: keras.Model) -> dict:
+    patterns = config.precision.float32_layers
+    if not patterns:
+        return {}
+    names = precision.matching_layers(model, patterns)
+    return {"float32 layers": f"{', '.join(names)} (--float32_layers={','.join(patterns)})"}
+
+
 def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir, task) -> dict:
     optimizer = engine.optimizer
     task_rows = task.card(config, plan, model)
@@ -153,6 +175,7 @@ def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir
         "precision": f"{plan.policy} ({plan.policy_reason})",
         "compute dtype": precision.compute_dtype(plan.policy),
         "variable dtype": keras.DTypePolicy(plan.policy).variable_dtype,
+        **_float32_layers_card(config, model),
         **task_rows,  # head and output dtypes, the loss
         "loss scale": f"{precision.loss_scale_mode(optimizer)}, now {precision.current_loss_scale(optimizer):g}",
         "strategy": f"{plan.topology.strategy} ({config.distribution.strategy})",

@@ -6,6 +6,7 @@ the run, asks the task for its pieces in this order and runs them in the one eng
     info = task.describe(config)                      # dataset sizes, classes, image size
     model = task.build_model(config, plan)            # inside plan.strategy.scope()
     task.compile(model, optimizer, plan)              # the compiled loss and metrics the engine runs
+    dataset, shard_policy = task.train_dataset(config, plan)   # global batches (the precision doctor)
     data_for_epoch, evaluate, shard_policies = task.inputs(config, plan, engine, start_step)
     rows = task.card(config, plan, model)             # task rows of the run card (incl. "dataset")
     fields, headline = task.headline(last_eval)       # summary fields and the one-line result
@@ -46,6 +47,12 @@ class Task(Protocol):
 
     def compile(self, model: keras.Model, optimizer: keras.optimizers.Optimizer, plan: Plan) -> keras.Model:
         """Compiles the loss and metrics the engine computes per replica."""
+
+    def train_dataset(
+        self, config: TrainConfig, plan: Plan, input_context: Any = None, skip_examples: int = 0
+    ) -> tuple[Any, str]:
+        """(endless training tf.data.Dataset, shard policy): global batches of `(x, y)` without
+        `input_context`, per-replica batches of that pipeline's shard with one."""
 
     def inputs(
         self, config: TrainConfig, plan: Plan, engine: Engine, start_step: int
