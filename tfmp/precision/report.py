@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 from tfmp import run_dir
@@ -166,14 +167,15 @@ def format_report(report: Report) -> str:
         for header, width, _ in _COLUMNS
     ]
     row = lambda cells: "  ".join(f"{cell:<{width}}" for cell, width in zip(cells, widths)).rstrip()  # noqa: E731
-    safe = "any" if report.safe_loss_scale is None else f"{report.safe_loss_scale:g}"
+    safe = report.safe_loss_scale
+    safe = "any" if safe is None else f"2^{math.log2(safe):g} = {safe:.0f}" if safe >= 1 else f"{safe:g}"
     lines = [
-        f"precision doctor: model {report.model}, {report.steps} step(s), {report.examples} examples, "
-        f"loss scale {report.loss_scale:g} ({report.loss_scale_source}); largest loss scale with no float16 "
-        f"gradient overflow (verdict followed): {safe}",
+        f"precision doctor: model {report.model}, {report.steps} step(s), {report.examples} examples",
+        f"loss scale {report.loss_scale:g} ({report.loss_scale_source}); largest with no float16 gradient "
+        f"overflow on these batches, verdict followed: {safe}",
         *LEGEND,
-        f"  '!' above {thresholds['float16']:.1e} (float16) / {thresholds['bfloat16']:.1e} (bfloat16). "
-        f"KEEP: switch to float32 for {report.policy}; is f32: needs float32 and has it.",
+        f"  '!' above {thresholds['float16']:.1e} (float16) / {thresholds['bfloat16']:.1e} (bfloat16).",
+        f"float32?: KEEP = switch to float32 for {report.policy}; is f32 = needs float32 and has it.",
         "",
         row(header for header, _, _ in _COLUMNS),
     ]
