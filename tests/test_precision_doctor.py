@@ -167,6 +167,30 @@ def test_float32_layers_copies_weights_and_refuses_patterns_that_match_nothing()
         precision.float32_layers(model, ["("])
 
 
+def test_sequential_models_are_diagnosed_and_subclassed_ones_refused():
+    keras.utils.set_random_seed(0)
+    sequential = _compiled(
+        keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(4, name="a"), keras.layers.Dense(1, name="b")]
+        )
+    )
+    report = precision.diagnose(sequential, _regression_data(), steps=1)
+    assert [layer.name for layer in report.layers] == ["a", "b"] and report.verdict() == precision.HEALTHY
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    subclassed = _compiled(Subclassed())
+    subclassed(np.zeros((1, 8), "float32"))
+    with pytest.raises(UsageError, match="subclassed Subclassed"):
+        precision.diagnose(subclassed, _regression_data())
+
+
 def test_diagnose_refuses_what_it_cannot_measure():
     model = _overflowing_model()
     with pytest.raises(UsageError, match="compiled"):

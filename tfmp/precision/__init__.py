@@ -7,18 +7,12 @@
     model = precision.float32_layers(model, report.float32_layers)
 
 Modules: `policy` (which policy on which hardware), `loss_scaling` (tfmp's replica-safe
-LossScaleOptimizer and the loss-scale flags), `doctor` (per-layer measurements), `report`
-(the table and precision_report.json), `layers` (copies of a model with float32 layers).
+LossScaleOptimizer and the loss-scale flags), `doctor` (per-layer measurements, counted by
+`measures`), `report` (the table and precision_report.json), `layers` (copies of a model with
+float32 layers).
 """
 
-from tfmp.precision.doctor import (
-    EPSILON,
-    ERROR_FACTOR,
-    FLOAT16_MAX,
-    FLOAT16_SMALLEST_NORMAL,
-    FLOAT16_SMALLEST_SUBNORMAL,
-    diagnose,
-)
+from tfmp.precision.doctor import diagnose
 from tfmp.precision.layers import clone_with_policies, float32_layers, layer_names, matching_layers
 from tfmp.precision.loss_scaling import (
     DEFAULT_GROWTH_STEPS,
@@ -29,6 +23,13 @@ from tfmp.precision.loss_scaling import (
     loss_scale_mode,
     parse_loss_scale,
     wrap_optimizer,
+)
+from tfmp.precision.measures import (
+    EPSILON,
+    ERROR_FACTOR,
+    FLOAT16_MAX,
+    FLOAT16_SMALLEST_NORMAL,
+    FLOAT16_SMALLEST_SUBNORMAL,
 )
 from tfmp.precision.policy import (
     CHOICES,
