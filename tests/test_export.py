@@ -28,7 +28,7 @@ from tfmp.bench import inference as bench_inference
 from tfmp.classification import data
 from tfmp.detection.retinanet import build_detector
 from tfmp.errors import UsageError
-from tfmp.serving import copies, detector, export
+from tfmp.serving import copies, detector, export, predictors
 from tfmp.serving.layers import FoldedBatchNorm
 
 IMAGE_SIZE, EVAL_IMAGES = 16, 128
@@ -403,6 +403,25 @@ def test_detector_bfloat16_saved_model_and_raw_tflite_find_the_same_objects(dete
         ).max()
         <= 1e-4
     )
+
+
+@pytest.mark.slow
+def test_predicting_files_with_a_detector_export_goes_through_its_registered_kind(
+    detector_exported, tmp_path
+):
+    """What apps.predict does with --model=RUN/export/float32: export.json names the kind, the
+    detector kind decodes the SavedModel's NMS output and draws the boxes."""
+    export_dir = os.path.join(detector_exported["run_dir"], "export", "float32")
+    assert predictors.kind_of(export_dir) == "detector"
+    assert predictors.kind_of(detector_exported["run_dir"]) == "detector"
+    image = np.random.default_rng(7).uniform(size=(48, 40, 3))  # not the input size: fit + pad
+    png = tmp_path / "noise.png"
+    png.write_bytes(tf.io.encode_png(tf.image.convert_image_dtype(image, tf.uint8, saturate=True)).numpy())
+    settings = {"score_threshold": 0.05, "output_dir": str(tmp_path / "out")}
+    (record,) = predictors.KINDS["detector"].predict_files(export_dir, [str(png)], settings)
+    assert record["model_format"] == "saved_model" and os.path.isfile(record["png"])
+    for found in record["detections"]:
+        assert found["score"] >= 0.05 and all(0.0 <= value <= 48.0 for value in found["box"])
 
 
 # ----------------------------------------------------------------------------- structure

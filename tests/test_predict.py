@@ -16,6 +16,8 @@ from conftest import run_python
 
 from tfmp import models
 from tfmp.classification import data
+from tfmp.detection import shapes
+from tfmp.detection.retinanet import build_detector
 from tfmp.errors import UsageError
 from tfmp.serving import export, predictors
 
@@ -123,9 +125,6 @@ def test_the_parent_of_per_precision_exports_asks_which_one(run):
 @pytest.mark.slow  # a fresh process
 def test_predict_on_a_detector_run_prints_detections_and_writes_the_png(tmp_path):
     """apps.predict delegates a detector run to the detection predict mode."""
-    from tfmp.detection import shapes
-    from tfmp.detection.retinanet import build_detector
-
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     keras.utils.set_random_seed(6)
