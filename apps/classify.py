@@ -4,6 +4,7 @@
     python -m apps.classify --model=resnet20 --dataset=tfds:cifar10 --data_dir=~/tensorflow_datasets
     python -m apps.classify --strategy=mirrored --cpu_replicas=2   # data-parallel without GPUs
     python -m apps.classify --flagfile=configs/article_cnn_224_mixed.cfg
+    python -m apps.classify --precision=mixed_float16 --diagnose_precision   # which layers need float32
 
 Defaults: the article's CNN (`seed_cnn`) on the built-in `shapes` dataset at 32x32, 3 epochs.
 Ends with one summary line: eval accuracy, examples/s, precision, replicas.
@@ -12,7 +13,7 @@ Ends with one summary line: eval accuracy, examples/s, precision, replicas.
 from absl import flags
 
 from apps import cli, common
-from tfmp.training.run import train_and_evaluate
+from tfmp.classification.task import TASK
 
 flags.FLAGS.set_default("image_size", 32)
 
@@ -20,7 +21,7 @@ flags.FLAGS.set_default("image_size", 32)
 def main(argv):
     del argv
     config = common.config_from_flags()
-    train_and_evaluate(config, resolved_flags=common.resolved_flags("classify", config))
+    common.train_or_diagnose("classify", config, TASK)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Flags shared by the training apps (classify, mnist).
 
 Flags live here and in the apps only; `config_from_flags` turns them into a plain
-`tfmp.train.TrainConfig`. Error handling is `apps.cli.run`.
+`tfmp.training.config.TrainConfig`. Error handling is `apps.cli.run`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from tfmp import optim, precision
 from tfmp.distribute import strategies as distribute
 from tfmp.distribute.launch import STARTUP_TIMEOUT_ENV
 from tfmp.errors import UsageError
-from tfmp.training.run import XLA_CHOICES, TrainConfig
+from tfmp.training.config import TrainConfig
+from tfmp.training.diagnosis import DEFAULT_STEPS as DEFAULT_DIAGNOSE_STEPS
+from tfmp.training.diagnosis import diagnose_precision
+from tfmp.training.plan import XLA_CHOICES
+from tfmp.training.run import train_and_evaluate
 
 FLAGS = flags.FLAGS
 
@@ -46,6 +50,19 @@ flags.DEFINE_bool("mixed", False, "Best mixed policy for this hardware (same as 
 flags.DEFINE_string(
     "loss_scale", "auto", "auto (dynamic for mixed_float16), dynamic, none or a fixed number."
 )
+flags.DEFINE_list(
+    "float32_layers",
+    [],
+    "Layers (regexes matching whole names) built in float32 whatever --precision; what "
+    "--diagnose_precision recommends.",
+)
+flags.DEFINE_bool(
+    "diagnose_precision",
+    False,
+    "Run the precision doctor instead of training: per-layer float16/bfloat16 overflow, underflow and "
+    "error on the first --diagnose_steps batches; writes precision_report.json in the run dir.",
+)
+flags.DEFINE_integer("diagnose_steps", DEFAULT_DIAGNOSE_STEPS, "Batches --diagnose_precision measures.")
 flags.DEFINE_string("strategy", "auto", f"Distribution: {', '.join(distribute.STRATEGIES)}.")
 flags.DEFINE_integer(
     "cpu_replicas", 0, "Split the CPU into N logical devices (MirroredStrategy without GPUs)."
@@ -98,49 +115,9 @@ flags.DEFINE_integer(
     "data_threads", 0, "tf.data's private thread pool for the input pipeline (0: the shared default)."
 )
 
-TRAIN_FLAGS = (
-    "model",
-    "dataset",
-    "image_size",
-    "data_dir",
-    "augment",
-    "cache",
-    "epochs",
-    "steps",
-    "steps_per_epoch",
-    "global_batch_size",
-    "optimizer",
-    "learning_rate",
-    "weight_decay",
-    "lr_scaling",
-    "reference_batch_size",
-    "warmup_steps",
-    "lr_decay",
-    "precision",
-    "loss_scale",
-    "strategy",
-    "cpu_replicas",
-    "xla",
-    "steps_per_execution",
-    "model_dir",
-    "keep_checkpoints",
-    "checkpoint_every",
-    "log_every",
-    "seed",
-    "startup_timeout",
-    "prune_sparsity",
-    "prune_schedule",
-    "prune_begin_step",
-    "prune_end_step",
-    "prune_every",
-    "pipeline_stages",
-    "micro_batches",
-    "pipeline_boundaries",
-    "pipeline_balance",
-    "intra_op_threads",
-    "inter_op_threads",
-    "data_threads",
-)
+# Every flag that becomes part of the run's TrainConfig (a field per flag, grouped by concern);
+# `evaluate` and `verbose` are library switches with no flag.
+TRAIN_FLAGS = tuple(name for name in TrainConfig().flat() if name in FLAGS)
 
 
 def precision_from_flags() -> str:
@@ -155,15 +132,27 @@ def config_from_flags(**overrides) -> TrainConfig:
     values = {name: FLAGS[name].value for name in TRAIN_FLAGS}
     values["precision"] = precision_from_flags()
     values["pipeline_boundaries"] = tuple(values["pipeline_boundaries"])
+    values["float32_layers"] = tuple(values["float32_layers"])
     values.update(overrides)
-    return TrainConfig(**values)
+    return TrainConfig.from_flat(**values)
 
 
 def resolved_flags(app_name: str, config: TrainConfig) -> str:
     """The flags as resolved for this run, as a flagfile that reproduces it."""
     lines = [f"# resolved flags of: python -m apps.{app_name} {' '.join(sys.argv[1:])}"]
+    values = config.flat()
     for name in TRAIN_FLAGS:
-        value = getattr(config, name)
+        value = ",".join(values[name]) if isinstance(values[name], tuple) else values[name]  # list flags
         if value is not None:
             lines.append(f"--{name}={value}")
     return "\n".join(lines) + "\n"
+
+
+def train_or_diagnose(app_name: str, config: TrainConfig, task) -> None:
+    """Trains per `config`, or with --diagnose_precision only runs the precision doctor (exit 0)."""
+    if FLAGS.diagnose_precision:
+        if FLAGS.diagnose_steps < 1:
+            raise UsageError(f"--diagnose_steps={FLAGS.diagnose_steps} must be a positive number of batches")
+        diagnose_precision(config, task, FLAGS.diagnose_steps)
+        return
+    train_and_evaluate(config, task, resolved_flags=resolved_flags(app_name, config))

@@ -5,6 +5,7 @@
     python -m tfmp.launch --workers=2 -- python -m apps.detect
     python -m apps.detect --flagfile=configs/retinanet_resnet50_coco_8gpu.cfg --data_dir=...
     python -m apps.detect --model_dir=RUN --predict=img1.jpg,img2.png [--score_threshold=0.3]
+    python -m apps.detect --precision=mixed_float16 --diagnose_precision  # precision doctor, no training
 
 Training evaluates COCO metrics (pycocotools) after every epoch and ends with one line:
 `tfmp summary: eval mAP ..., AP50 ..., images/s, precision, replicas, model dir`. `--predict`
@@ -20,7 +21,6 @@ from tfmp.detection import DEFAULTS
 from tfmp.detection import predict as detection_predict
 from tfmp.detection.task import TASK
 from tfmp.errors import UsageError
-from tfmp.training.run import train_and_evaluate
 
 FLAGS = flags.FLAGS
 for _name in (
@@ -60,7 +60,7 @@ def main(argv):
         return
     threshold = DEFAULTS["score_threshold"] if FLAGS.score_threshold is None else FLAGS.score_threshold
     config = common.config_from_flags(score_threshold=threshold, max_detections=FLAGS.max_detections)
-    train_and_evaluate(config, resolved_flags=common.resolved_flags("detect", config), task=TASK)
+    common.train_or_diagnose("detect", config, TASK)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python -m apps.mnist                                   # built-in digits, all local devices
     python -m apps.mnist --dataset=tfds:mnist --data_dir=~/tensorflow_datasets
     python -m apps.mnist --flagfile=configs/mnist_two_replicas.cfg
+    python -m apps.mnist --precision=mixed_float16 --diagnose_precision   # precision doctor, no training
 
 By default every local GPU is a replica; without GPUs the CPU is split into one logical device
 per core, so the same MirroredStrategy code runs (and is tested) anywhere. Started by the
@@ -17,8 +18,8 @@ import tensorflow as tf
 from absl import flags
 
 from apps import cli, common
+from tfmp.classification.task import TASK
 from tfmp.distribute.cluster import parse_tf_config
-from tfmp.training.run import train_and_evaluate
 
 FLAGS = flags.FLAGS
 FLAGS.set_default("model", "mnist_mlp")
@@ -43,7 +44,7 @@ def main(argv):
         # One logical device per core, as many as split the global batch evenly.
         cpu_replicas = max(n for n in range(1, (os.cpu_count() or 1) + 1) if FLAGS.global_batch_size % n == 0)
     config = common.config_from_flags(cpu_replicas=cpu_replicas, strategy=strategy)
-    train_and_evaluate(config, resolved_flags=common.resolved_flags("mnist", config))
+    common.train_or_diagnose("mnist", config, TASK)
 
 
 if __name__ == "__main__":

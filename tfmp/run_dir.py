@@ -8,6 +8,7 @@ A run directory (`--model_dir`, default `runs/<model>-<dataset>-<time>`) holds:
     checkpoints/       tf.train checkpoints (model, optimizer, loss scale, step, global batch)
     model.keras        the trained model, saved by the chief at the end
     export/<precision>/   what `apps.export` writes (see `tfmp.serving.export`)
+    precision_report.json what `--diagnose_precision` measured (see `tfmp.precision.doctor`)
 
 This module imports nothing heavy, so the launcher and `apps.predict` can read a run cheaply:
 
@@ -29,6 +30,7 @@ CHECKPOINT_DIR = "checkpoints"
 MODEL_FILE = "model.keras"
 EXPORT_DIR = "export"
 EXPORT_METADATA_FILE = "export.json"  # inside each export/<precision>/ directory
+PRECISION_REPORT_FILE = "precision_report.json"
 
 
 def is_run_dir(path: str) -> bool:
