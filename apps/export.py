@@ -48,7 +48,7 @@ def main(argv):
         FLAGS.output_dir,
         eval_batches=FLAGS.eval_batches,
         batch_size=FLAGS.batch_size,
-        detector_options={
+        options={
             "score_threshold": FLAGS.score_threshold,
             "iou_threshold": FLAGS.iou_threshold,
             "max_detections": FLAGS.max_detections,
@@ -62,7 +62,7 @@ def main(argv):
         f"{report['layer_policy']}, {report['batch_norms_folded']} batch norms folded; "
         f"compared on {report['compared_with']})"
     )
-    print(export.format_table(report["artifacts"]))
+    print(export.format_table(report["artifacts"], report["kind"]))
 
 
 if __name__ == "__main__":

@@ -20,13 +20,12 @@ original image), "class": i, "name": ..., "score": s}, ...]}.
 """
 
 import json
-import os
 
 from absl import flags
 
 from apps import cli
 from tfmp.errors import UsageError
-from tfmp.serving import predictors as inference
+from tfmp.serving import predictors
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Run dir, export dir, SavedModel dir, .tflite or .keras file.")
@@ -47,39 +46,13 @@ def main(argv):
         raise UsageError("no images given; usage: python -m apps.predict --model=RUN img1.png img2.jpg")
     if FLAGS.top_k < 1:
         raise UsageError(f"--top_k={FLAGS.top_k} must be >= 1")
-    if inference.is_detector(FLAGS.model):
-        for record in _detect(FLAGS.model, images):
-            print(json.dumps(record), flush=True)
-        return
-    predictor = inference.load(FLAGS.model)
-    if isinstance(getattr(getattr(predictor, "model", None), "output", None), dict):
-        raise UsageError(
-            f"--model={FLAGS.model} is a detector without a run's flags.txt or an export.json; "
-            "give its run dir or export it with apps.export"
-        )
-    pixels = inference.read_images(images, predictor.preprocessing)
-    probabilities = predictor.predict(pixels, batch_size=FLAGS.batch_size)
-    for path, row in zip(images, probabilities):
-        print(
-            json.dumps({"image": path, "top_k": inference.top_k(row, FLAGS.top_k, predictor.class_names)}),
-            flush=True,
-        )
-
-
-def _detect(model, images):
-    """Detection records: a run dir through the detection predict mode (its model.keras, in its
-    training precision), an export through its own artifact (the SavedModel's NMS output)."""
-    if os.path.isdir(model) and inference.is_detector_run(model):
-        from tfmp.detection import predict as detection_predict
-
-        return detection_predict.predict_files(
-            model, images, FLAGS.score_threshold, FLAGS.max_detections, FLAGS.output_dir
-        )
-    from tfmp.serving import detector as export_detector
-
-    return export_detector.predict_files(
-        inference.load(model), images, FLAGS.score_threshold, FLAGS.output_dir
-    )
+    settings = {
+        name: FLAGS[name].value
+        for name in ("top_k", "batch_size", "score_threshold", "max_detections", "output_dir")
+    }
+    kind = predictors.KINDS[predictors.kind_of(FLAGS.model)]
+    for record in kind.predict_files(FLAGS.model, images, settings):
+        print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,42 +1,58 @@
-"""tfmp.serving.export and apps.export: every artifact reloads in a fresh process and matches Keras.
+"""tfmp.serving and apps.export: every artifact reloads in a fresh process and matches Keras.
 
 One tiny ResNet-20 run (16x16 shapes, random weights and random BatchNorm statistics so the
 folding is exercised) is exported in float32 and bfloat16 in-process and in float16 through the
-app; one fresh process then loads all artifacts. Tolerances on probabilities, from each dtype's
-machine epsilon over ~20 layers: float32 1e-5, float16 0.01 (~20 x 2^-11), bfloat16 0.08
-(~20 x 2^-8); top-1 agreement >= 99% on 128 eval images.
+app; one tiny RetinaNet run in float32 and bfloat16. One fresh process then loads every artifact
+of both (what a server does: nothing registered by an export in the same process). Tolerances on
+probabilities, from each dtype's machine epsilon over ~20 layers: float32 1e-5, float16 0.01
+(~20 x 2^-11), bfloat16 0.08 (~20 x 2^-8); top-1 agreement >= 99% on 128 eval images.
 """
 
+import ast
+import contextlib
 import importlib.util
+import io
 import json
 import os
+import pathlib
+import re
 
 import keras
 import numpy as np
 import pytest
-from conftest import run_python
+import tensorflow as tf
+from conftest import ROOT, run_python
 
-from tfmp import models
+from tfmp import models, pruning
+from tfmp.bench import inference as bench_inference
 from tfmp.classification import data
+from tfmp.detection.retinanet import build_detector
 from tfmp.errors import UsageError
-from tfmp.serving import export
+from tfmp.serving import copies, detector, export, predictors
+from tfmp.serving.layers import FoldedBatchNorm
 
-pytestmark = pytest.mark.slow  # fresh processes
 IMAGE_SIZE, EVAL_IMAGES = 16, 128
 TOLERANCE = {"float32": 1e-5, "float16": 0.01, "bfloat16": 0.08}
+DETECTOR_SIZE, DETECTOR_CLASSES = 64, 3
+# float32 export vs the Keras model computed in float32: the same graph, so NMS picks the same
+# rows; boxes (pixels of the 64 px input) within 1e-3, scores within 1e-5. bfloat16 moves logits
+# by up to ~0.1 (8-bit mantissa), which can swap near-tied NMS winners: F1 of matched detections.
+DETECTOR_BOX_TOLERANCE, DETECTOR_SCORE_TOLERANCE, DETECTOR_HALF_AGREEMENT = 1e-3, 1e-5, 0.9
+DETECTOR_ARTIFACTS = ("float32/saved_model", "bfloat16/saved_model", "float32/model.tflite")
 
 RELOAD = r"""
 import json, os, sys
-import numpy as np, tensorflow as tf
-from tfmp.serving import predictors as inference
-export_root, images = sys.argv[1], np.load(sys.argv[2])
-outputs, facts = {}, {}
-for precision in sorted(os.listdir(export_root)):
+import numpy as np
+from tfmp.serving import detector, predictors
+classifier_root, classifier_images, detector_root, detector_images, output = sys.argv[1:6]
+arrays, facts = {}, {}
+images = np.load(classifier_images)
+for precision in sorted(os.listdir(classifier_root)):
     for name in ("saved_model", "model.tflite", "model.keras"):
-        if not os.path.exists(os.path.join(export_root, precision, name)):
+        if not os.path.exists(os.path.join(classifier_root, precision, name)):
             continue
-        predictor = inference.load(os.path.join(export_root, precision, name))
-        outputs[f"{precision}/{name}"] = predictor.predict(images)
+        predictor = predictors.load(os.path.join(classifier_root, precision, name))
+        arrays[f"{precision}/{name}"] = predictor.predict(images)
         if name == "saved_model":
             serve = predictor.serve
             facts[f"{precision}/saved_model"] = {
@@ -47,12 +63,33 @@ for precision in sorted(os.listdir(export_root)):
             interpreter = predictor.interpreter
             facts[f"{precision}/tflite"] = {
                 "interpreter": type(interpreter).__module__,
-                "ops": sorted({op["op_name"] for op in interpreter._get_ops_details()}),
                 "input_dtype": np.dtype(interpreter.get_input_details()[0]["dtype"]).name,
                 "output_dtype": np.dtype(interpreter.get_output_details()[0]["dtype"]).name}
-np.savez(sys.argv[3], **outputs)
+images = np.load(detector_images)
+for name in ("float32/saved_model", "bfloat16/saved_model", "float32/model.tflite"):
+    predictor = predictors.load(f"{detector_root}/{name}")
+    raw, found = detector.detections(predictor, images)
+    arrays.update({f"detector/{name}/raw_{key}": value for key, value in raw.items()})
+    arrays.update({f"detector/{name}/{key}": value for key, value in found.items()})
+    if name.endswith("saved_model"):
+        serve = predictor.serve
+        facts[f"detector/{name}"] = {
+            "variables": [[v.dtype.name, list(v.shape)] for v in predictor.loaded.variables],
+            "input_dtype": serve.structured_input_signature[1]["images"].dtype.name,
+            "output_dtypes": {k: v.dtype.name for k, v in serve.structured_outputs.items()}}
+np.savez(output, **arrays)
 print("FACTS " + json.dumps(facts))
 """
+
+
+def tflite_operators(path: str) -> set[str]:
+    """Operator names in a .tflite file, read from TF's public model analyzer report."""
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        tf.lite.experimental.Analyzer.analyze(model_path=path)
+    operators = set(re.findall(r"^\s*Op#\d+ (\w+)\(", report.getvalue(), re.MULTILINE))
+    assert operators, "tf.lite.experimental.Analyzer's report lists no 'Op#N NAME(' line: its format changed"
+    return operators
 
 
 def _tiny_run(run_dir):
@@ -76,8 +113,26 @@ def _tiny_run(run_dir):
     return model
 
 
+def _detector_run(run_dir):
+    """A run dir as apps.detect leaves it; the output convs get spread-out weights so random
+    scores are far from ties and boxes move off their anchors."""
+    keras.utils.set_random_seed(4)
+    model = build_detector("retinanet_tiny", DETECTOR_SIZE, DETECTOR_CLASSES, dtype="mixed_bfloat16")
+    rng = np.random.default_rng(4)
+    for kind, std in (("classes", 0.05), ("boxes", 0.02)):
+        layer = model.get_layer(f"retinanet_tiny_{kind}_output")
+        layer.kernel.assign(rng.normal(0.0, std, layer.kernel.shape))
+        layer.bias.assign(np.zeros(layer.bias.shape))
+    os.makedirs(run_dir)
+    model.save(os.path.join(run_dir, "model.keras"))
+    with open(os.path.join(run_dir, "flags.txt"), "w") as file:
+        file.write(f"--model=retinanet_tiny\n--dataset=shapes\n--image_size={DETECTOR_SIZE}\n")
+    return model
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
+    """The classifier run exported in three precisions (float16 through the app)."""
     root = tmp_path_factory.mktemp("export")
     run_dir = str(root / "run")
     model = _tiny_run(run_dir)
@@ -90,43 +145,86 @@ def exported(tmp_path_factory):
     images = next(iter(stream))[0].numpy()
     np.save(root / "images.npy", images)
     reference = export.reference_outputs(
-        export.inference_copy(model, "float32", fold_batch_norms=False), images
+        copies.inference_copy(model, "float32", fold_batch_norms=False), images
     )
-    reload = run_python(
-        ["-c", RELOAD, os.path.join(run_dir, "export"), str(root / "images.npy"), str(root / "outputs.npz")]
-    )
-    assert reload.returncode == 0, reload.stderr[-3000:]
-    facts = json.loads(next(line for line in reload.stdout.splitlines() if line.startswith("FACTS "))[6:])
     return {
         "run_dir": run_dir,
+        "images": str(root / "images.npy"),
         "app_stdout": app.stdout,
         "reference": reference,
-        "facts": facts,
-        "outputs": dict(np.load(root / "outputs.npz")),
     }
 
 
-def test_float32_artifacts_equal_the_keras_model(exported):
+@pytest.fixture(scope="module")
+def detector_exported(tmp_path_factory):
+    """The detector run exported in float32 (SavedModel, TFLite) and bfloat16 (SavedModel)."""
+    root = tmp_path_factory.mktemp("detector")
+    run_dir = str(root / "run")
+    model = _detector_run(run_dir)
+    reports = {
+        "float32": export.export_run(
+            run_dir, ["saved_model", "tflite"], "float32", eval_batches=1, batch_size=8
+        ),
+        "bfloat16": export.export_run(run_dir, ["saved_model"], "bfloat16", eval_batches=1, batch_size=8),
+    }
+    images = np.random.default_rng(5).uniform(size=(6, DETECTOR_SIZE, DETECTOR_SIZE, 3)).astype(np.float32)
+    np.save(root / "images.npy", images)
+    reference = copies.inference_copy(model, "float32", fold_batch_norms=False)
+    raw = {key: np.asarray(value) for key, value in reference(images).items()}
+    return {
+        "run_dir": run_dir,
+        "images": str(root / "images.npy"),
+        "model": model,
+        "reports": reports,
+        "raw": raw,
+        "expected": detector.decode(raw, reports["float32"]["detector"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def reloaded(exported, detector_exported, tmp_path_factory):
+    """({artifact: outputs}, {artifact: facts}) of every artifact, loaded in one fresh process."""
+    output = tmp_path_factory.mktemp("reload") / "outputs.npz"
+    reload = run_python(
+        [
+            "-c",
+            RELOAD,
+            os.path.join(exported["run_dir"], "export"),
+            exported["images"],
+            os.path.join(detector_exported["run_dir"], "export"),
+            detector_exported["images"],
+            str(output),
+        ]
+    )
+    assert reload.returncode == 0, reload.stderr[-3000:]
+    facts = json.loads(next(line for line in reload.stdout.splitlines() if line.startswith("FACTS "))[6:])
+    return dict(np.load(output)), facts
+
+
+@pytest.mark.slow  # fresh processes
+def test_float32_artifacts_equal_the_keras_model(exported, reloaded):
     for name in ("saved_model", "model.tflite", "model.keras"):
-        difference = np.abs(exported["outputs"][f"float32/{name}"] - exported["reference"]).max()
+        difference = np.abs(reloaded[0][f"float32/{name}"] - exported["reference"]).max()
         assert difference <= TOLERANCE["float32"], (name, difference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["float16", "bfloat16"])
-def test_half_precision_artifacts_within_tolerance(exported, precision):
+def test_half_precision_artifacts_within_tolerance(exported, reloaded, precision):
     reference = exported["reference"]
     for name in ("saved_model", "model.keras", "model.tflite"):
-        if f"{precision}/{name}" not in exported["outputs"]:  # bfloat16: no .tflite (see fixture)
+        if f"{precision}/{name}" not in reloaded[0]:  # bfloat16: no .tflite (see fixture)
             continue
-        outputs = exported["outputs"][f"{precision}/{name}"]
+        outputs = reloaded[0][f"{precision}/{name}"]
         # The .tflite holds float16 weights but computes in float32: float16's tolerance.
         tolerance = TOLERANCE["float16" if name == "model.tflite" else precision]
         assert np.abs(outputs - reference).max() <= tolerance, (precision, name)
         assert np.mean(outputs.argmax(-1) == reference.argmax(-1)) >= 0.99, (precision, name)
 
 
-def test_half_precision_saved_models_hold_half_variables_and_float32_signatures(exported):
-    facts = exported["facts"]
+@pytest.mark.slow
+def test_half_precision_saved_models_hold_half_variables_and_float32_signatures(reloaded):
+    facts = reloaded[1]
     assert facts["float16/saved_model"]["variable_dtypes"] == ["float16"]
     assert facts["bfloat16/saved_model"]["variable_dtypes"] == ["bfloat16"]
     assert facts["float32/saved_model"]["variable_dtypes"] == ["float32"]
@@ -136,13 +234,15 @@ def test_half_precision_saved_models_hold_half_variables_and_float32_signatures(
         assert saved_model["output_dtypes"] == {"probabilities": "float32"}
 
 
-def test_tflite_has_no_flex_ops_and_runs_in_litert(exported):
-    if importlib.util.find_spec("ai_edge_litert") is None:
-        pytest.skip("ai-edge-litert is not installed (pip install tfmp[litert]); tf.lite ran the files")
+@pytest.mark.slow
+def test_tflite_has_only_builtin_ops_float32_io_and_float16_halves_it(exported, reloaded):
     for precision in ("float32", "float16"):
-        tflite = exported["facts"][f"{precision}/tflite"]
-        assert tflite["interpreter"].startswith("ai_edge_litert"), tflite
-        assert not [op for op in tflite["ops"] if op.startswith("Flex") or op == "CUSTOM"], tflite["ops"]
+        path = os.path.join(exported["run_dir"], "export", precision, "model.tflite")
+        operators = tflite_operators(path)
+        assert "CONV_2D" in operators and not [
+            op for op in operators if op.startswith("Flex") or op == "CUSTOM"
+        ]
+        tflite = reloaded[1][f"{precision}/tflite"]
         assert tflite["input_dtype"] == tflite["output_dtype"] == "float32"
     sizes = {
         p: os.path.getsize(os.path.join(exported["run_dir"], "export", p, "model.tflite"))
@@ -151,6 +251,15 @@ def test_tflite_has_no_flex_ops_and_runs_in_litert(exported):
     assert sizes["float16"] <= 0.52 * sizes["float32"], sizes
 
 
+@pytest.mark.slow
+def test_tflite_runs_in_litert_when_installed(reloaded):
+    if importlib.util.find_spec("ai_edge_litert") is None:
+        pytest.skip("ai-edge-litert is not installed (pip install tfmp[litert]); tf.lite ran the files")
+    for precision in ("float32", "float16"):
+        assert reloaded[1][f"{precision}/tflite"]["interpreter"].startswith("ai_edge_litert")
+
+
+@pytest.mark.slow
 def test_export_dir_describes_itself_and_the_table(exported):
     export_root = os.path.join(exported["run_dir"], "export")
     assert sorted(os.listdir(export_root)) == ["bfloat16", "float16", "float32"]  # no partial dirs
@@ -165,6 +274,7 @@ def test_export_dir_describes_itself_and_the_table(exported):
     assert "max |diff| vs Keras float32" in table and "float16 weights, float32 compute" in table
 
 
+@pytest.mark.slow
 def test_failed_export_keeps_the_previous_one_and_leaves_no_partial_dir(exported, monkeypatch):
     export_root = os.path.join(exported["run_dir"], "export")
     before = os.path.getmtime(os.path.join(export_root, "float32", "export.json"))
@@ -194,6 +304,7 @@ def test_unknown_format_or_precision_is_refused_before_writing(tmp_path, formats
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # a fresh process
 def test_app_refuses_a_run_dir_without_a_model_in_one_line(tmp_path):
     (tmp_path / "flags.txt").write_text("--dataset=shapes\n")
     result = run_python(["-m", "apps.export", f"--model_dir={tmp_path}", "--precision=bfloat16"])
@@ -204,8 +315,6 @@ def test_app_refuses_a_run_dir_without_a_model_in_one_line(tmp_path):
 
 
 def test_pruned_model_exports_with_masks_stripped_and_zeros_kept(tmp_path):
-    from tfmp import pruning
-
     keras.utils.set_random_seed(3)
     model = models.build("seed_cnn", (IMAGE_SIZE, IMAGE_SIZE, 3), 10)
     pruner = pruning.Pruner(model, pruning.ConstantSchedule(target_sparsity=0.5, begin_step=0, end_step=0))
@@ -219,96 +328,10 @@ def test_pruned_model_exports_with_masks_stripped_and_zeros_kept(tmp_path):
 
 
 # ----------------------------------------------------------------------------- detectors
-DETECTOR_SIZE, DETECTOR_CLASSES = 64, 3
-# float32 export vs the Keras model computed in float32: the same graph, so NMS picks the same
-# rows; boxes (pixels of the 64 px input) within 1e-3, scores within 1e-5. bfloat16 moves logits
-# by up to ~0.1 (8-bit mantissa), which can swap near-tied NMS winners: F1 of matched detections.
-DETECTOR_BOX_TOLERANCE, DETECTOR_SCORE_TOLERANCE, DETECTOR_HALF_AGREEMENT = 1e-3, 1e-5, 0.9
-
-DETECTOR_RELOAD = r"""
-import json, sys
-import numpy as np
-from tfmp.serving import predictors as inference
-root, images = sys.argv[1], np.load(sys.argv[2])
-arrays, facts = {}, {}
-for name in ("float32/saved_model", "bfloat16/saved_model", "float32/model.tflite"):
-    predictor = inference.load(f"{root}/{name}")
-    raw, found = predictor.detector_outputs(images)
-    arrays.update({f"{name}/raw_{key}": value for key, value in raw.items()})
-    arrays.update({f"{name}/{key}": value for key, value in found.items()})
-    if name.endswith("saved_model"):
-        serve = predictor.serve
-        facts[name] = {"variables": [[v.dtype.name, list(v.shape)] for v in predictor.loaded.variables],
-                       "input_dtype": serve.structured_input_signature[1]["images"].dtype.name,
-                       "output_dtypes": {k: v.dtype.name for k, v in serve.structured_outputs.items()}}
-    else:
-        facts[name] = {"ops": sorted({op["op_name"] for op in predictor.interpreter._get_ops_details()})}
-np.savez(sys.argv[3], **arrays)
-print("FACTS " + json.dumps(facts))
-"""
-
-
-def _detector_run(run_dir):
-    """A run dir as apps.detect leaves it; the output convs get spread-out weights so random
-    scores are far from ties and boxes move off their anchors."""
-    from tfmp.detection.retinanet import build_detector
-
-    keras.utils.set_random_seed(4)
-    model = build_detector("retinanet_tiny", DETECTOR_SIZE, DETECTOR_CLASSES, dtype="mixed_bfloat16")
-    rng = np.random.default_rng(4)
-    for kind, std in (("classes", 0.05), ("boxes", 0.02)):
-        layer = model.get_layer(f"retinanet_tiny_{kind}_output")
-        layer.kernel.assign(rng.normal(0.0, std, layer.kernel.shape))
-        layer.bias.assign(np.zeros(layer.bias.shape))
-    os.makedirs(run_dir)
-    model.save(os.path.join(run_dir, "model.keras"))
-    with open(os.path.join(run_dir, "flags.txt"), "w") as file:
-        file.write(f"--model=retinanet_tiny\n--dataset=shapes\n--image_size={DETECTOR_SIZE}\n")
-    return model
-
-
-@pytest.fixture(scope="module")
-def detector_exported(tmp_path_factory):
-    from tfmp.serving import detector as export_detector
-
-    root = tmp_path_factory.mktemp("detector")
-    run_dir = str(root / "run")
-    model = _detector_run(run_dir)
-    reports = {
-        "float32": export.export_run(
-            run_dir, ["saved_model", "tflite"], "float32", eval_batches=1, batch_size=8
-        ),
-        "bfloat16": export.export_run(run_dir, ["saved_model"], "bfloat16", eval_batches=1, batch_size=8),
-    }
-    options = reports["float32"]["detector"]
-    images = np.random.default_rng(5).uniform(size=(6, DETECTOR_SIZE, DETECTOR_SIZE, 3)).astype(np.float32)
-    np.save(root / "images.npy", images)
-    reference = export.inference_copy(model, "float32", fold_batch_norms=False)
-    raw = {key: np.asarray(value) for key, value in reference(images).items()}
-    reload = run_python(
-        [
-            "-c",
-            DETECTOR_RELOAD,
-            os.path.join(run_dir, "export"),
-            str(root / "images.npy"),
-            str(root / "outputs.npz"),
-        ]
-    )
-    assert reload.returncode == 0, reload.stderr[-3000:]
-    facts = json.loads(next(line for line in reload.stdout.splitlines() if line.startswith("FACTS "))[6:])
-    return {
-        "model": model,
-        "reports": reports,
-        "raw": raw,
-        "expected": export_detector.decode(raw, options),
-        "facts": facts,
-        "outputs": dict(np.load(root / "outputs.npz")),
-    }
-
-
-def test_detector_saved_model_is_float32_images_in_float32_boxes_and_scores_out(detector_exported):
+@pytest.mark.slow
+def test_detector_saved_model_is_float32_images_in_float32_boxes_and_scores_out(detector_exported, reloaded):
     for precision in ("float32", "bfloat16"):
-        facts = detector_exported["facts"][f"{precision}/saved_model"]
+        facts = reloaded[1][f"detector/{precision}/saved_model"]
         assert facts["input_dtype"] == "float32"
         assert facts["output_dtypes"] == {
             "boxes": "float32",
@@ -320,19 +343,22 @@ def test_detector_saved_model_is_float32_images_in_float32_boxes_and_scores_out(
     assert report["kind"] == "detector" and report["detector"]["anchor_levels"] == [3, 4, 5]
     assert report["class_names"][:3] == ["circle", "square", "triangle"]  # detection shapes' names
     assert report["compared_with"] == "8 eval images of shapes"
-    table = export.format_table(report["artifacts"])
+    table = export.format_table(report["artifacts"], report["kind"])
     assert "max |diff logits|" in table and "detection agreement" in table
 
 
-def test_detector_half_precision_copies_hold_half_variables_except_the_float32_head(detector_exported):
-    variables = detector_exported["facts"]["bfloat16/saved_model"]["variables"]
+@pytest.mark.slow
+def test_detector_half_precision_copies_hold_half_variables_except_the_float32_head(
+    detector_exported, reloaded
+):
+    variables = reloaded[1]["detector/bfloat16/saved_model"]["variables"]
     float32 = [shape for dtype, shape in variables if dtype == "float32"]
     assert {dtype for dtype, _ in variables} == {"bfloat16", "float32"}
     # Only the two output convs (kernel + bias), which the mixed model runs in float32 on purpose.
     assert sorted(shape[-1] for shape in float32) == sorted(
         [9 * 4, 9 * 4, 9 * DETECTOR_CLASSES, 9 * DETECTOR_CLASSES]
     )
-    copy = export.inference_copy(detector_exported["model"], "float16", keep_float32_layers=True)
+    copy = copies.inference_copy(detector_exported["model"], "float16", keep_float32_layers=True)
     dtypes = {variable.path: variable.dtype for variable in copy.weights}
     assert sum(dtype == "float16" for dtype in dtypes.values()) == len(dtypes) - 4
     assert all(dtype == "float32" for path, dtype in dtypes.items() if "_output/" in path)
@@ -342,9 +368,10 @@ def test_detector_half_precision_copies_hold_half_variables_except_the_float32_h
     )
 
 
-def test_detector_float32_saved_model_reloads_with_the_keras_detections(detector_exported):
-    outputs, expected = detector_exported["outputs"], detector_exported["expected"]
-    name = "float32/saved_model"
+@pytest.mark.slow
+def test_detector_float32_saved_model_reloads_with_the_keras_detections(detector_exported, reloaded):
+    outputs, expected = reloaded[0], detector_exported["expected"]
+    name = "detector/float32/saved_model"
     assert expected["valid_detections"].sum() > 0
     np.testing.assert_array_equal(outputs[f"{name}/valid_detections"], expected["valid_detections"])
     np.testing.assert_array_equal(outputs[f"{name}/classes"], expected["classes"])
@@ -354,27 +381,124 @@ def test_detector_float32_saved_model_reloads_with_the_keras_detections(detector
         assert np.abs(outputs[f"{name}/raw_{key}"] - detector_exported["raw"][key]).max() <= 1e-5
 
 
-def test_detector_bfloat16_saved_model_and_raw_tflite_find_the_same_objects(detector_exported):
-    from tfmp.serving import detector as export_detector
-
-    outputs, expected = detector_exported["outputs"], detector_exported["expected"]
+@pytest.mark.slow
+def test_detector_bfloat16_saved_model_and_raw_tflite_find_the_same_objects(detector_exported, reloaded):
+    outputs, expected = reloaded[0], detector_exported["expected"]
     for name, least in (("bfloat16/saved_model", DETECTOR_HALF_AGREEMENT), ("float32/model.tflite", 0.99)):
-        found = {key: outputs[f"{name}/{key}"] for key in ("boxes", "scores", "classes", "valid_detections")}
-        assert export_detector.agreement(expected, found) >= least, name
+        found = {
+            key: outputs[f"detector/{name}/{key}"]
+            for key in ("boxes", "scores", "classes", "valid_detections")
+        }
+        assert detector.agreement(expected, found) >= least, name
     for row in detector_exported["reports"]["bfloat16"]["artifacts"]:
         assert row["detection_agreement"] >= DETECTOR_HALF_AGREEMENT
     # NMS is no TFLite builtin: the .tflite returns raw logits and deltas, built-in ops only.
-    ops = detector_exported["facts"]["float32/model.tflite"]["ops"]
-    assert not [op for op in ops if op.startswith("Flex") or op == "CUSTOM"], ops
+    operators = tflite_operators(
+        os.path.join(detector_exported["run_dir"], "export", "float32", "model.tflite")
+    )
+    assert not [op for op in operators if op.startswith("Flex") or op == "CUSTOM"], operators
     assert (
-        np.abs(outputs["float32/model.tflite/raw_classes"] - detector_exported["raw"]["classes"]).max()
+        np.abs(
+            outputs["detector/float32/model.tflite/raw_classes"] - detector_exported["raw"]["classes"]
+        ).max()
         <= 1e-4
     )
 
 
-def test_inference_bench_times_every_artifact_and_reports_the_goal_ratios(tmp_path):
-    from tfmp.bench import inference as bench_inference
+@pytest.mark.slow
+def test_predicting_files_with_a_detector_export_goes_through_its_registered_kind(
+    detector_exported, tmp_path
+):
+    """What apps.predict does with --model=RUN/export/float32: export.json names the kind, the
+    detector kind decodes the SavedModel's NMS output and draws the boxes."""
+    export_dir = os.path.join(detector_exported["run_dir"], "export", "float32")
+    assert predictors.kind_of(export_dir) == "detector"
+    assert predictors.kind_of(detector_exported["run_dir"]) == "detector"
+    image = np.random.default_rng(7).uniform(size=(48, 40, 3))  # not the input size: fit + pad
+    png = tmp_path / "noise.png"
+    png.write_bytes(tf.io.encode_png(tf.image.convert_image_dtype(image, tf.uint8, saturate=True)).numpy())
+    settings = {"score_threshold": 0.05, "output_dir": str(tmp_path / "out")}
+    (record,) = predictors.KINDS["detector"].predict_files(export_dir, [str(png)], settings)
+    assert record["model_format"] == "saved_model" and os.path.isfile(record["png"])
+    for found in record["detections"]:
+        assert found["score"] >= 0.05 and all(0.0 <= value <= 48.0 for value in found["box"])
 
+
+# ----------------------------------------------------------------------------- structure
+def test_serving_imports_form_no_cycle_and_none_hides_in_a_function():
+    """tfmp.serving's modules import each other one way (layers <- predictors <- export <-
+    detector); a tfmp import inside a function would hide a cycle."""
+    folder = pathlib.Path(ROOT, "tfmp", "serving")
+    graph = {}
+    for path in folder.glob("*.py"):
+        module = "tfmp.serving" if path.stem == "__init__" else f"tfmp.serving.{path.stem}"
+        tree = ast.parse(path.read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "tfmp.serving":
+                imported |= {f"tfmp.serving.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfmp.serving."):
+                imported.add(node.module)
+        for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)):
+            hidden = [
+                n.module
+                for n in ast.walk(function)
+                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("tfmp")
+            ]
+            assert not hidden, f"{module}.{function.name} imports {hidden} inside the function"
+        graph[module] = imported - {module}
+
+    def reaches(start, target, seen=()):
+        return any(
+            n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in graph.get(start, ())
+        )
+
+    for module in graph:
+        if module != "tfmp.serving":  # the package imports its kinds; they import siblings only
+            assert not reaches(module, module), (
+                f"{module} imports itself back through {sorted(graph[module])}"
+            )
+    assert "tfmp.serving.detector" not in graph["tfmp.serving.export"] | graph["tfmp.serving.predictors"]
+    assert set(export.KINDS) == {"classifier", "detector"}
+
+
+def test_batch_norm_folding_reads_the_graph_from_the_public_config():
+    """BatchNorm follows a bias-free linear conv/dense read by nothing else: folded; a conv
+    whose output two layers read, or with a bias, is not."""
+    inputs = keras.Input((8, 8, 3))
+    shared = keras.layers.Conv2D(4, 3, use_bias=False, name="shared")(inputs)
+    folded = keras.layers.BatchNormalization(name="folded_bn")(
+        keras.layers.Conv2D(4, 3, use_bias=False, name="alone")(inputs)
+    )
+    kept = keras.layers.BatchNormalization(name="kept_bn")(shared)
+    biased = keras.layers.BatchNormalization(name="biased_bn")(
+        keras.layers.Conv2D(4, 3, name="biased")(inputs)
+    )
+    merged = keras.layers.Concatenate()([folded, kept, shared, biased])
+    model = keras.Model(
+        inputs, keras.layers.Softmax(name="probs")(keras.layers.GlobalAveragePooling2D()(merged))
+    )
+    assert copies.batch_norm_folds(model) == {"folded_bn": "alone"}
+    assert copies.output_layer_names(model) == {"probs"}
+    sequential = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3, use_bias=False, name="d"),
+            keras.layers.BatchNormalization(name="bn"),
+        ]
+    )
+    assert copies.batch_norm_folds(sequential) == {"bn": "d"}
+    images = np.random.default_rng(0).uniform(size=(4, 8, 8, 3)).astype(np.float32)
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            layer.moving_variance.assign(np.full(layer.moving_variance.shape, 2.0))
+    copy = copies.inference_copy(model, "float32")
+    assert isinstance(copy.get_layer("folded_bn"), FoldedBatchNorm) and copy.get_layer("alone").use_bias
+    # Folding is exact algebra in float64: only float32 rounding (~1e-7 on probabilities ~0.1).
+    np.testing.assert_allclose(copy(images).numpy(), model(images).numpy(), atol=1e-6)
+
+
+def test_inference_bench_times_every_artifact_and_reports_the_goal_ratios(tmp_path):
     config = bench_inference.InferenceBenchConfig(
         models=["mnist_mlp"],
         precisions=["bfloat16"],

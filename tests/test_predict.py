@@ -1,7 +1,8 @@
 """apps.predict and tfmp.serving.predictors: training's preprocessing, top-k with class names, refusals.
 
 One tiny seed_cnn run (16x16 shapes) and its float16 .tflite export; the app runs twice in a
-fresh process (a good pair of images, and a pair with one undecodable file).
+fresh process (a good pair of images, and a pair with one undecodable file), and once on a
+detector run (marked slow); the library tests run in-process.
 """
 
 import json
@@ -15,11 +16,11 @@ from conftest import run_python
 
 from tfmp import models
 from tfmp.classification import data
+from tfmp.detection import shapes
+from tfmp.detection.retinanet import build_detector
 from tfmp.errors import UsageError
-from tfmp.serving import export
-from tfmp.serving import predictors as inference
+from tfmp.serving import export, predictors
 
-pytestmark = pytest.mark.slow  # fresh processes
 IMAGE_SIZE = 16
 
 
@@ -54,6 +55,7 @@ def run(tmp_path_factory):
     }
 
 
+@pytest.mark.slow  # a fresh process
 def test_predict_prints_top_k_with_class_names_one_json_line_per_image(run):
     images = [*run["pngs"], run["jpg"]]
     result = run_python(["-m", "apps.predict", f"--model={run['run_dir']}", "--top_k=3", *images])
@@ -71,6 +73,7 @@ def test_predict_prints_top_k_with_class_names_one_json_line_per_image(run):
         assert abs(top[0]["probability"] - probabilities.max()) < 1e-2
 
 
+@pytest.mark.slow  # a fresh process
 def test_undecodable_image_exits_2_with_one_line_and_no_predictions(run):
     result = run_python(["-m", "apps.predict", f"--model={run['run_dir']}", run["pngs"][0], run["broken"]])
     assert result.returncode == 2, result.stderr[-2000:]
@@ -80,21 +83,21 @@ def test_undecodable_image_exits_2_with_one_line_and_no_predictions(run):
 
 
 def test_read_images_is_the_training_preprocessing(run):
-    pixels = inference.read_images(run["pngs"], inference.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3))
+    pixels = predictors.read_images(run["pngs"], predictors.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3))
     assert pixels.dtype == np.float32 and pixels.shape == run["images"].shape
     assert np.abs(pixels - run["images"]).max() <= 1 / 255 + 1e-6  # the 8-bit PNG only
-    resized = inference.read_images([run["jpg"]], inference.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3))
+    resized = predictors.read_images([run["jpg"]], predictors.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3))
     assert resized.shape == (1, IMAGE_SIZE, IMAGE_SIZE, 3) and 0.0 <= resized.min() <= resized.max() <= 1.0
 
 
 def test_tflite_export_predicts_like_the_run_with_its_own_metadata(run):
     tflite = os.path.join(run["run_dir"], "export", "float16", "model.tflite")
-    predictor = inference.load(tflite)
+    predictor = predictors.load(tflite)
     assert predictor.format == "tflite" and predictor.class_names == data.SHAPES_CLASS_NAMES
-    assert predictor.preprocessing == inference.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3)
+    assert predictor.preprocessing == predictors.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3)
     expected = run["model"](run["images"]).numpy()
     assert np.abs(predictor.predict(run["images"]) - expected).max() < 1e-2  # float16 weights
-    top = inference.top_k(predictor.predict(run["images"][:1])[0], 2, predictor.class_names)
+    top = predictors.top_k(predictor.predict(run["images"][:1])[0], 2, predictor.class_names)
     assert [entry["class"] for entry in top] == list(np.argsort(-expected[0])[:2])
 
 
@@ -111,19 +114,17 @@ def test_tflite_export_predicts_like_the_run_with_its_own_metadata(run):
 )
 def test_loading_something_that_is_not_a_model_is_one_usage_error(tmp_path, make, message):
     with pytest.raises(UsageError, match=message):
-        inference.load(str(make(tmp_path)))
+        predictors.load(str(make(tmp_path)))
 
 
 def test_the_parent_of_per_precision_exports_asks_which_one(run):
     with pytest.raises(UsageError, match="several precisions; pick one: .*float16"):
-        inference.load(os.path.join(run["run_dir"], "export"))
+        predictors.load(os.path.join(run["run_dir"], "export"))
 
 
+@pytest.mark.slow  # a fresh process
 def test_predict_on_a_detector_run_prints_detections_and_writes_the_png(tmp_path):
     """apps.predict delegates a detector run to the detection predict mode."""
-    from tfmp.detection import shapes
-    from tfmp.detection.retinanet import build_detector
-
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     keras.utils.set_random_seed(6)

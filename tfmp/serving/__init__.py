@@ -1,0 +1,16 @@
+"""Serving: export a trained model and predict with any artifact.
+
+    layers       the Keras layer an exported .keras holds (FoldedBatchNorm)
+    predictors   load a run dir, an export, a SavedModel, a .tflite or a .keras; preprocess; predict
+    copies       the inference copy: one precision, BatchNorm folded
+    export       SavedModel / TFLite / .keras writers, export.json and its difference table
+    detector     the "detector" model kind (NMS in the SavedModel, raw outputs in TFLite)
+
+Imports run one way: layers <- predictors <- export <- detector (copies between layers and
+export). `export.KINDS` and `predictors.KINDS` map a model kind to what is specific to it; the
+module that knows a kind registers it. This package imports every such module, so any
+`from tfmp.serving import export` finds every kind registered (as torchvision's
+`models/__init__.py` imports every builder so each registers itself).
+"""
+
+from tfmp.serving import detector  # noqa: F401  registers the "detector" kind

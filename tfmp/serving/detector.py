@@ -1,8 +1,10 @@
 """Detector exports and their predictions: NMS inside the SavedModel, raw outputs in TFLite.
 
-`tfmp.serving.export` calls this module for models whose outputs are a dict (RetinaNet's
-`{"classes": logits, "boxes": deltas}`); use `tfmp.export.export`/`export_run` as for a
-classifier. What a detector export holds:
+This module registers the "detector" kind (models whose outputs are RetinaNet's dict
+`{"classes": logits, "boxes": deltas}`) in `tfmp.serving.export.KINDS` and
+`tfmp.serving.predictors.KINDS`; importing `tfmp.serving` imports it, so use
+`tfmp.serving.export.export`/`export_run` and `apps.predict` as for a classifier. What a
+detector export holds:
 
 * `saved_model/` - `serving_default`: float32 `images` [B, S, S, 3] in [0, 1] in; out float32
   `boxes` [B, D, 4] (xyxy pixels of the S x S input, clipped to it), float32 `scores` [B, D],
@@ -13,7 +15,7 @@ classifier. What a detector export holds:
 * `model.tflite` - the raw outputs only (same names and shapes): `combined_non_max_suppression`
   is no TFLite builtin (conversion fails without Flex ops), so decoding + NMS is the caller's:
   `export.json["detector"]` holds the anchor config and thresholds, and
-  `tfmp.serving.predictors.load(...)` + `predict_files` here decode exactly as the SavedModel does.
+  `detections(tfmp.serving.predictors.load(path), images)` decodes exactly as the SavedModel does.
 * `model.keras` - the inference copy (raw outputs).
 
 The difference table compares the raw outputs per key (max |difference| of logits and of box
@@ -27,10 +29,15 @@ from __future__ import annotations
 
 import os
 
+import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
+from tfmp.detection import boxes, data, retinanet, visualize
+from tfmp.detection import predict as run_predict
 from tfmp.errors import UsageError
+from tfmp.serving import copies, export, predictors
 
 RAW_SIGNATURE = "raw_outputs"
 DEFAULT_OPTIONS = {"score_threshold": 0.05, "iou_threshold": 0.5, "max_detections": 100}
@@ -45,8 +52,6 @@ PREPROCESSING = (
 def anchor_levels(model, name: str | None = None) -> tuple[int, ...]:
     """The FPN levels the detector's outputs follow: its registry entry's (by `name` or the
     model's name), checked against the number of anchors it predicts."""
-    from tfmp.detection import boxes, retinanet
-
     size, count = int(model.input.shape[1]), int(model.output["boxes"].shape[1])
     candidates = [retinanet.anchor_config(n).levels for n in (name, model.name) if n in retinanet.DETECTORS]
     candidates += [tuple(range(3, top + 1)) for top in range(3, 8)]  # an unregistered RetinaNet
@@ -65,8 +70,6 @@ def anchor_levels(model, name: str | None = None) -> tuple[int, ...]:
 
 def options_for(model, options: dict | None, name: str | None = None) -> dict:
     """The detector section of export.json: image size, anchors, NMS thresholds."""
-    from tfmp.detection import boxes
-
     options = dict(DEFAULT_OPTIONS, **{k: v for k, v in (options or {}).items() if v is not None})
     if not 0.0 <= options["score_threshold"] < 1.0 or options["max_detections"] < 1:
         raise UsageError(
@@ -90,8 +93,6 @@ def options_for(model, options: dict | None, name: str | None = None) -> dict:
 
 
 def anchors(options: dict) -> tf.Tensor:
-    from tfmp.detection import boxes
-
     return boxes.generate_anchors(
         options["image_size"], boxes.AnchorConfig(levels=tuple(options["anchor_levels"]))
     )
@@ -99,8 +100,6 @@ def anchors(options: dict) -> tf.Tensor:
 
 def decode(raw: dict, options: dict, score_threshold: float | None = None) -> dict:
     """Detections (numpy, float32 boxes/scores, int32 classes/valid_detections) from raw outputs."""
-    from tfmp.detection import boxes
-
     found = boxes.decode_detections(
         {key: tf.constant(raw[key]) for key in ("classes", "boxes")},
         anchors(options),
@@ -113,13 +112,12 @@ def decode(raw: dict, options: dict, score_threshold: float | None = None) -> di
 
 
 # ----------------------------------------------------------------------------- serving functions
-def serving_endpoints(model, *, options: dict, input_name: str = "images", raw_only: bool = False) -> dict:
+def serving_endpoints(model, options: dict) -> dict:
     """{"serving_default": images -> detections after NMS, "raw_outputs": images -> logits and
-    deltas}; with `raw_only` the raw function is `serving_default` (what TFLite converts)."""
-    from tfmp.detection import boxes
-
+    deltas}; with `options["raw_only"]` the raw function is `serving_default` (what TFLite
+    converts)."""
     size = options["image_size"]
-    spec = tf.TensorSpec([None, size, size, 3], tf.float32, name=input_name)
+    spec = tf.TensorSpec([None, size, size, 3], tf.float32, name=export.INPUT_NAME)
     anchor_boxes = anchors(options)
 
     @tf.function(input_signature=[spec])
@@ -127,7 +125,7 @@ def serving_endpoints(model, *, options: dict, input_name: str = "images", raw_o
         outputs = model(images, training=False)
         return {key: tf.cast(outputs[key], tf.float32) for key in ("classes", "boxes")}
 
-    if raw_only:
+    if options.get("raw_only"):
         return {"serving_default": raw}
 
     @tf.function(input_signature=[spec])
@@ -149,8 +147,6 @@ def serving_endpoints(model, *, options: dict, input_name: str = "images", raw_o
 # ----------------------------------------------------------------------------- the difference table
 def agreement(reference: dict, found: dict) -> float:
     """F1 of greedy matching (same class, IoU >= 0.5) of `found` detections to `reference`'s."""
-    from tfmp.detection import boxes
-
     matched = total = 0
     for row in range(len(reference["valid_detections"])):
         n, m = int(reference["valid_detections"][row]), int(found["valid_detections"][row])
@@ -171,52 +167,27 @@ def agreement(reference: dict, found: dict) -> float:
 def write_and_compare(model, precision, formats, directory, reference_images, options) -> list[dict]:
     """Writes each format, reloads it, and compares raw outputs and detections with the trained
     weights computed in float32 (see the module docstring)."""
-    from tfmp.serving import export
-    from tfmp.serving import predictors as inference
-
-    copy = export.inference_copy(model, precision, keep_float32_layers=True)
-    float32_copy = copy if precision == "float32" else export.inference_copy(model, "float32")
-    writers = {
-        "saved_model": lambda path: export.write_saved_model(copy, path, options=options),
-        "tflite": lambda path: export.write_tflite(
-            float32_copy, path, precision != "float32", options=dict(options, raw_only=True)
-        ),
-        "keras": lambda path: copy.save(path),
-    }
-    loaders = {
-        "saved_model": inference.SavedModelPredictor,
-        "tflite": inference.TFLitePredictor,
-        "keras": inference.KerasPredictor,
-    }
-    file_names = {
-        "saved_model": export.SAVED_MODEL_DIR,
-        "tflite": export.TFLITE_FILE,
-        "keras": export.KERAS_FILE,
-    }
-    reference = export.inference_copy(model, "float32", fold_batch_norms=False)
-    expected = inference.KerasPredictor("", {}, model=reference).predict_outputs(reference_images)
+    copy = copies.inference_copy(model, precision, keep_float32_layers=True)
+    reference = copies.inference_copy(model, "float32", fold_batch_norms=False)
+    expected = predictors.KerasPredictor("", {}, model=reference).predict_outputs(reference_images)
     expected_detections = decode(expected, options)
     rows = []
-    for name in formats:
-        path = os.path.join(directory, file_names[name])
-        writers[name](path)
-        predictor = loaders[name](path, {"detector": options})
-        raw, detections = predictor.detector_outputs(reference_images)
+    for name, path in export.written_artifacts(model, copy, precision, formats, directory, options):
+        predictor = predictors.LOADERS[name](path, {"detector": options})
+        raw, found = detections(predictor, reference_images)
         differences = {key: float(np.max(np.abs(raw[key] - expected[key]))) for key in ("classes", "boxes")}
         rows.append(
             {
                 "format": name,
-                "file": file_names[name],
-                "precision": "float16 weights, float32 compute"
-                if name == "tflite" and precision != "float32"
-                else precision,
+                "file": export.FILE_NAMES[name],
+                "precision": export.artifact_precision(name, precision),
                 "outputs": "detections after NMS (+ raw_outputs signature)"
                 if name == "saved_model"
                 else "raw logits and box deltas",
                 "size_bytes": export.disk_size(path),
                 "max_abs_difference": max(differences.values()),
                 "max_abs_difference_per_output": differences,
-                "detection_agreement": agreement(expected_detections, detections),
+                "detection_agreement": agreement(expected_detections, found),
                 "reference_detections": int(expected_detections["valid_detections"].sum()),
             }
         )
@@ -224,7 +195,7 @@ def write_and_compare(model, precision, formats, directory, reference_images, op
 
 
 def table_lines(rows: list[dict]) -> tuple[tuple, list[tuple]]:
-    """Header and cells of a detector's difference table (for `tfmp.serving.export.format_table`)."""
+    """Header and cells of a detector's difference table (`tfmp.serving.export.format_table`)."""
     header = (
         "format",
         "precision",
@@ -248,25 +219,21 @@ def table_lines(rows: list[dict]) -> tuple[tuple, list[tuple]]:
 
 
 # ----------------------------------------------------------------------------- predictions
-def eval_images(metadata: dict, image_size: int, options: dict, batches: int, batch_size: int):
+def eval_images(metadata: dict, model, options: dict, batches: int, batch_size: int):
     """(images, description): eval batches of the run's detection dataset, or None."""
-    from tfmp.detection import data
-
     try:
         stream, _ = data.load(
             metadata["dataset"],
             "eval",
             batch_size,
             anchors=anchors(options),
-            image_size=image_size,
+            image_size=options["image_size"],
             data_dir=metadata.get("data_dir"),
             training=False,
         )
         images = np.concatenate([batch[0].numpy() for batch in stream.take(batches)])
         return images, f"{len(images)} eval images of {metadata['dataset']}"
     except Exception as error:  # data not readable here: the caller compares on random images
-        from absl import logging
-
         logging.warning(
             "tfmp.serving.export: detection eval data unavailable (%s)", str(error).splitlines()[0]
         )
@@ -279,8 +246,6 @@ def predict_files(
     """Detections for image files from an exported detector (any format), as
     `tfmp.detection.predict.predict_files` makes them for a run: one record per image, a PNG
     with the boxes drawn next to each image (or in `output_dir`)."""
-    from tfmp.detection import data, visualize
-
     options = predictor.metadata["detector"]
     if not options["score_threshold"] <= score_threshold < 1.0:
         raise UsageError(
@@ -289,7 +254,7 @@ def predict_files(
         )
     class_names = predictor.class_names or [str(i) for i in range(options["num_classes"])]
     images = [data.read_image(path, options["image_size"]) for path in paths]  # all decode first
-    _, found = predictor.detector_outputs(np.stack([image.numpy() for image, _, _ in images]))
+    _, found = detections(predictor, np.stack([image.numpy() for image, _, _ in images]))
     records = []
     for row, (path, (_, scale, original)) in enumerate(zip(paths, images)):
         keep = np.arange(len(found["scores"][row])) < found["valid_detections"][row]
@@ -318,3 +283,64 @@ def predict_files(
             }
         )
     return records
+
+
+def detections(
+    predictor: predictors.Predictor, images: np.ndarray, batch_size: int = 64
+) -> tuple[dict, dict]:
+    """(raw outputs, detections) of an exported detector in any format. A SavedModel answers
+    both itself (its `raw_outputs` signature and its NMS serving_default); a .keras or .tflite
+    gives the raw outputs, decoded here exactly as the SavedModel decodes them (export.json's
+    "detector" section: anchors, thresholds)."""
+    if isinstance(predictor, predictors.SavedModelPredictor):
+        if RAW_SIGNATURE not in predictor.loaded.signatures:
+            raise UsageError(
+                f"SavedModel {predictor.path!r} is not an exported detector (no {RAW_SIGNATURE} signature)"
+            )
+        raw = predictor.predict_outputs(images, batch_size, signature=RAW_SIGNATURE)
+        return raw, predictor.predict_outputs(images, batch_size)
+    if not predictor.metadata.get("detector"):
+        raise UsageError(
+            f"{predictor.path!r} is not an exported detector (its export.json has no "
+            "detector section); export the run with apps.export first"
+        )
+    raw = predictor.predict_outputs(images, batch_size)
+    return raw, decode(raw, predictor.metadata["detector"])
+
+
+def predict(model: str, paths: list[str], settings: dict) -> list[dict]:
+    """Detection records for `apps.predict`: a run dir through the detection predict mode (its
+    model.keras, in its training precision), an export through its own artifact (the
+    SavedModel's NMS output). `settings`: score_threshold, max_detections, output_dir."""
+    score_threshold = settings.get("score_threshold", 0.3)
+    if os.path.isdir(model) and predictors.run_kind(model) == "detector":
+        return run_predict.predict_files(
+            model, paths, score_threshold, settings.get("max_detections", 100), settings.get("output_dir")
+        )
+    return predict_files(predictors.load(model), paths, score_threshold, settings.get("output_dir"))
+
+
+def _class_names(dataset: str, image_size: int | None, data_dir: str | None) -> list[str]:
+    """A detection dataset's names (classification's "shapes" has other classes)."""
+    return list(data.describe(dataset, image_size=image_size, data_dir=data_dir).class_names)
+
+
+def _accepts(model: keras.Model) -> bool:
+    return isinstance(model.output, dict) and {"classes", "boxes"} <= set(model.output)
+
+
+# ----------------------------------------------------------------------------- the detector kind
+export.KINDS["detector"] = export.ExportKind(
+    accepts=_accepts,
+    serving=serving_endpoints,
+    compare=write_and_compare,
+    table=table_lines,
+    options=options_for,
+    eval_images=eval_images,
+    resize=PREPROCESSING,
+)
+predictors.KINDS["detector"] = predictors.PredictionKind(
+    trains=lambda name: name in retinanet.DETECTORS,
+    class_names=_class_names,
+    predict_files=predict,
+)

@@ -12,53 +12,68 @@ What each artifact is:
 
 * `saved_model/` - `serving_default` takes float32 images (`images`, NHWC in [0, 1]) and returns
   float32 `probabilities`. It computes in the requested precision with a *true* copy of the
-  model: for float16/bfloat16 every variable is stored in that dtype, so no weight is cast on a
-  call (what `model.export` of a mixed model does instead). `mixed` keeps float32 variables and
-  half compute, like the training policy.
+  model (`tfmp.serving.copies`): for float16/bfloat16 every variable is stored in that dtype, so
+  no weight is cast on a call (what `model.export` of a mixed model does instead). `mixed` keeps
+  float32 variables and half compute, like the training policy.
 * `model.tflite` - always converted from a float32 copy (converting half-precision compute
   fails with "'tf.Conv2D' op is neither a custom op nor a flex op"); float32 precision keeps
   float32 weights, every other precision stores float16 weights. Built-in ops only (no Flex),
   float32 input and output.
-* `model.keras` - the inference copy in the requested precision.
+* `model.keras` - the inference copy in the requested precision (BatchNorm folded).
 
-Every inference copy folds each BatchNormalization that directly follows a bias-free linear
-convolution or dense layer into that layer's kernel and bias (exact algebra, done in float64),
-so a served ResNet runs one fused conv+bias+relu instead of five element-wise ops per layer.
-The softmax stays in float32 in every precision: it has no weights, and float32 keeps the small
-probabilities that top-k reports.
-
-Detectors (dict outputs, `tfmp.detection.retinanet`) export through `tfmp.serving.detector`: their
-`serving_default` returns float32 boxes and scores (int32 classes, counts) after NMS, their
-`.tflite` the raw outputs (NMS is no TFLite builtin), and their table compares per output.
-
-Extension points: `SERVING_BUILDERS` maps a model kind to the function that builds its serving
-endpoints; `strip_for_inference` removes training-only state first: pruning masks and their
-kernel constraints (`tfmp.pruning.strip`, pruned weights baked in as zeros). A run trained
-with a pipeline split (`--pipeline_stages`) saves one Keras model (placement is not saved), so
-it exports like any other.
+Model kinds: `KINDS` maps a kind ("classifier", here; "detector", registered by
+`tfmp.serving.detector`) to what is specific to it: which models it accepts, its serving
+endpoints, its options section of export.json, its eval images and its difference table. The
+code below only looks the kind up; a new kind registers an `ExportKind` from its own module.
+`copies.strip_for_inference` removes training-only state first (pruning masks). A run trained
+with a pipeline split (`--pipeline_stages`) saves one Keras model, so it exports like any other.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
+from tfmp import run_dir as run_files
+from tfmp.classification import data as classification_data
 from tfmp.errors import UsageError, unknown
-from tfmp.serving import detector as export_detector
+from tfmp.serving import copies, predictors
 
 FORMATS = ("saved_model", "tflite", "keras")
 PRECISIONS = ("float32", "float16", "bfloat16", "mixed")
 SAVED_MODEL_DIR, TFLITE_FILE, KERAS_FILE = "saved_model", "model.tflite", "model.keras"
-METADATA_FILE = "export.json"  # preprocessing, class names and the difference table
+FILE_NAMES = {"saved_model": SAVED_MODEL_DIR, "tflite": TFLITE_FILE, "keras": KERAS_FILE}
 INPUT_NAME, OUTPUT_NAME = "images", "probabilities"
-_FOLDABLE = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D, keras.layers.Dense)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportKind:
+    """What exporting one kind of model needs beyond the generic writers.
+
+    `serving(copy, options)` returns the serving tf.function (one float32 input signature, a dict
+    of outputs) or {endpoint name: tf.function} with "serving_default"; with `options["raw_only"]`
+    only what TFLite can convert. `compare(model, precision, formats, directory, images, options)`
+    writes every format (see `written_artifacts`) and returns the difference-table rows, which
+    `table(rows)` turns into (header, cells). `options(model, requested, name)` is the kind's
+    section of export.json (empty: none); `eval_images(metadata, model, options, batches,
+    batch_size)` the run's eval images as (images, description), or None."""
+
+    accepts: Callable[[keras.Model], bool]
+    serving: Callable[[keras.Model, dict], object]
+    compare: Callable[..., list[dict]]
+    table: Callable[[list[dict]], tuple[tuple, list[tuple]]]
+    options: Callable[[keras.Model, dict | None, str | None], dict] = lambda model, requested, name: {}
+    eval_images: Callable[..., tuple[np.ndarray, str] | None] = lambda *args: None
+    resize: str | None = None  # export.json's preprocessing "resize", when the kind's differs
 
 
 def check_request(formats, precision: str) -> tuple[str, ...]:
@@ -74,165 +89,23 @@ def check_request(formats, precision: str) -> tuple[str, ...]:
     return formats
 
 
-def layer_policy(precision: str) -> str:
-    """The Keras dtype policy of an inference copy's layers for an export precision."""
-    if precision == "mixed":
-        from tfmp import precision as precisions
-
-        return precisions.resolve("mixed").policy  # mixed_bfloat16 on CPU, mixed_float16 on GPU
-    return precision
-
-
 def model_kind(model: keras.Model) -> str:
-    """ "classifier" (one probabilities tensor) or "detector" (a dict of outputs)."""
-    return "detector" if isinstance(model.output, dict) else "classifier"
+    """The first registered kind that accepts `model` ("classifier": one probabilities tensor)."""
+    for kind, spec in KINDS.items():
+        if spec.accepts(model):
+            return kind
+    outputs = sorted(model.output) if isinstance(model.output, dict) else type(model.output).__name__
+    raise UsageError(
+        f"model {model.name!r} (outputs {outputs}) is no kind this export knows "
+        f"({', '.join(KINDS)}); register an ExportKind in tfmp.serving.export.KINDS"
+    )
 
 
-def strip_for_inference(model: keras.Model) -> keras.Model:
-    """Removes training-only state: pruning masks via `tfmp.pruning.strip` (a no-op copy for an
-    unpruned model). New training-only wrappers get their strip call here."""
-    if importlib.util.find_spec("tfmp.pruning") is None:  # a checkout without pruning
-        return model
-    from tfmp import pruning
-
-    return pruning.strip(model)
-
-
-# ----------------------------------------------------------------------------- inference copies
-@keras.saving.register_keras_serializable(package="tfmp")
-class FoldedBatchNorm(keras.layers.Layer):
-    """Stands where a folded BatchNormalization stood: passes its input through. (Keras'
-    Identity layer does not accept the `mask` argument the functional graph replays.)"""
-
-    def call(self, inputs, mask=None, training=None):
-        return inputs
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-
-def _batch_norm_folds(model: keras.Model) -> dict[str, str]:
-    """{batch-norm layer name: name of the conv/dense layer whose output only it reads}."""
-    folds = {}
-    for layer in model.layers:
-        if not isinstance(layer, keras.layers.BatchNormalization) or len(layer._inbound_nodes) != 1:
-            continue
-        parents = layer._inbound_nodes[0].parent_nodes
-        if len(parents) != 1:
-            continue
-        producer = parents[0].operation
-        axis = layer.axis if isinstance(layer.axis, int) else None
-        if (
-            isinstance(producer, _FOLDABLE)
-            and not producer.use_bias
-            and producer.get_config().get("activation") == "linear"
-            and len(producer._inbound_nodes) == 1
-            and len(producer._outbound_nodes) == 1
-            and axis in (-1, len(layer.input.shape) - 1)
-        ):
-            folds[layer.name] = producer.name
-    return folds
-
-
-def _folded_weights(producer, batch_norm) -> list[np.ndarray]:
-    """Kernel and bias of `producer` followed by `batch_norm` in inference mode, in float64."""
-    value = lambda variable: np.asarray(variable.numpy(), np.float64)
-    scale = 1.0 / np.sqrt(value(batch_norm.moving_variance) + batch_norm.epsilon)
-    if batch_norm.scale:
-        scale = scale * value(batch_norm.gamma)
-    shift = -value(batch_norm.moving_mean) * scale
-    if batch_norm.center:
-        shift = shift + value(batch_norm.beta)
-    kernel = value(producer.kernel) * scale  # output channels are the last axis
-    return [kernel.astype(np.float32), shift.astype(np.float32)]
-
-
-def inference_copy(
-    model: keras.Model, precision: str, fold_batch_norms: bool = True, keep_float32_layers: bool = False
-) -> keras.Model:
-    """A functional copy for serving: BatchNorm folded, every layer in `precision`'s policy
-    (float16/bfloat16: half variables, half compute), the softmax output in float32.
-    `keep_float32_layers`: layers a half/mixed model runs in float32 on purpose (a detector's
-    output convs) stay float32."""
-    policy = layer_policy(precision)
-    source_policies = [layer.dtype_policy.name for layer in model.layers if layer.weights]
-    mostly_float32 = source_policies.count("float32") * 2 > len(source_policies)
-    keep = {
-        layer.name
-        for layer in model.layers
-        if keep_float32_layers and not mostly_float32 and layer.dtype_policy.name == "float32"
-    }
-    folds = _batch_norm_folds(model) if fold_batch_norms else {}
-    folded_producers = set(folds.values())
-    output_layers = {tensor._keras_history.operation.name for tensor in tf.nest.flatten(model.output)}
-
-    def clone_layer(layer):
-        config = layer.get_config()
-        if layer.name in folds:  # the producer's new bias does the batch norm's work
-            return FoldedBatchNorm(name=layer.name, dtype=policy)
-        if layer.name in folded_producers:
-            config["use_bias"] = True
-        softmax_out = layer.name in output_layers and not layer.weights
-        config["dtype"] = "float32" if softmax_out or layer.name in keep else policy
-        return layer.__class__.from_config(config)
-
-    try:
-        copy = keras.models.clone_model(model, clone_function=clone_layer)
-    except (TypeError, ValueError) as error:
-        raise UsageError(
-            f"model {model.name!r} cannot be copied for export (only functional and "
-            f"sequential models can): {str(error).splitlines()[0]}"
-        ) from None
-    source_layers = {layer.name: layer for layer in model.layers}
-    for layer in copy.layers:
-        source = source_layers.get(layer.name)
-        if source is None or layer.name in folds or not source.weights:
-            continue
-        if layer.name in folded_producers:
-            batch_norm = next(source_layers[bn] for bn, producer in folds.items() if producer == layer.name)
-            layer.set_weights(_folded_weights(source, batch_norm))
-        else:
-            layer.set_weights(source.get_weights())  # set_weights casts to the copy's dtype
-    return copy
-
-
-# ----------------------------------------------------------------------------- serving functions
-def _classifier_serving(model: keras.Model, options: dict):
-    height, width, channels = model.input.shape[1:]
-    spec = tf.TensorSpec([None, height, width, channels], tf.float32, name=INPUT_NAME)
-
-    @tf.function(input_signature=[spec])
-    def serve(images):
-        # The first layer casts the float32 images to its compute dtype; the softmax is float32.
-        return {OUTPUT_NAME: tf.cast(model(images, training=False), tf.float32)}
-
-    return serve
-
-
-# model kind -> builder(inference copy, options) -> the serving tf.function (one float32 input
-# signature, a dict of outputs) or a dict {endpoint name: tf.function} with "serving_default".
-SERVING_BUILDERS = {
-    "classifier": _classifier_serving,
-    "detector": lambda model, options: export_detector.serving_endpoints(
-        model, options=options, input_name=INPUT_NAME, raw_only=options.get("raw_only", False)
-    ),
-}
-
-
-def _check_kind(model: keras.Model) -> str:
-    kind = model_kind(model)
-    if kind not in SERVING_BUILDERS:
-        raise UsageError(
-            f"model {model.name!r} is a {kind} (dict outputs); its export is not "
-            f"available yet: register tfmp.serving.export.SERVING_BUILDERS[{kind!r}]"
-        )
-    return kind
-
-
+# ----------------------------------------------------------------------------- writing artifacts
 def write_saved_model(model: keras.Model, path: str, options: dict | None = None) -> None:
     """SavedModel with `serving_default` (float32 `images` in) and any other endpoint the model
-    kind's builder returns; `options` go to the builder (a detector's thresholds and anchors)."""
-    endpoints = SERVING_BUILDERS[model_kind(model)](model, options or {})
+    kind's serving builder returns; `options` go to the builder (a detector's thresholds)."""
+    endpoints = KINDS[model_kind(model)].serving(model, options or {})
     archive = keras.export.ExportArchive()
     archive.track(model)
     for name, function in (
@@ -260,6 +133,27 @@ def write_tflite(
         file.write(flatbuffer)
 
 
+def written_artifacts(model, copy, precision: str, formats, directory: str, options: dict | None = None):
+    """Writes each format of the inference `copy` of `model` into `directory`, yielding
+    (format, path) after each one so the caller compares it before the next is written."""
+    float32_copy = copy if precision == "float32" else None
+    for name in formats:
+        path = os.path.join(directory, FILE_NAMES[name])
+        if name == "saved_model":
+            write_saved_model(copy, path, options)
+        elif name == "tflite":
+            float32_copy = float32_copy or copies.inference_copy(model, "float32")
+            write_tflite(float32_copy, path, precision != "float32", dict(options or {}, raw_only=True))
+        else:
+            copy.save(path)
+        yield name, path
+
+
+def artifact_precision(name: str, precision: str) -> str:
+    """What a row of the difference table computes in (a half .tflite: float16 weights only)."""
+    return "float16 weights, float32 compute" if name == "tflite" and precision != "float32" else precision
+
+
 # ----------------------------------------------------------------------------- one export
 def export(
     model: keras.Model,
@@ -269,24 +163,20 @@ def export(
     *,
     metadata: dict | None = None,
     reference_images: np.ndarray | None = None,
-    detector_options: dict | None = None,
+    options: dict | None = None,
 ) -> dict:
     """Writes `output_dir/<precision>/` (artifacts + export.json) and returns the report.
 
     Everything is written to a temporary sibling first and renamed into place at the end, so
     an error leaves no half-written export (and an earlier export of the same precision stays
     until the new one is complete). `reference_images` (float32 NHWC in [0, 1]) are what the
-    difference table compares on; random images are used when there are none.
-    `detector_options` (score_threshold, iou_threshold, max_detections) set a detector's NMS.
+    difference table compares on; random images are used when there are none. `options` go to
+    the model kind (a detector's score_threshold, iou_threshold, max_detections).
     """
-    from tfmp.serving import predictors as inference
-
     formats = check_request(formats, precision)
-    kind = _check_kind(model)
-    model = strip_for_inference(model)
-    detector = kind == "detector" and export_detector.options_for(
-        model, detector_options, (metadata or {}).get("model")
-    )
+    kind = model_kind(model)
+    model = copies.strip_for_inference(model)
+    options = KINDS[kind].options(model, options, (metadata or {}).get("model"))
     if reference_images is None:
         reference_images = np.random.default_rng(0).uniform(size=(64, *model.input.shape[1:]))
     reference_images = np.asarray(reference_images, np.float32)
@@ -300,29 +190,25 @@ def export(
     os.umask(umask)
     os.chmod(temporary, 0o777 & ~umask)  # mkdtemp's 0700 would hide the export from a server
     try:
-        if detector:
-            rows = export_detector.write_and_compare(
-                model, precision, formats, temporary, reference_images, detector
-            )
-        else:
-            rows = _write_and_compare(model, precision, formats, temporary, reference_images)
+        rows = KINDS[kind].compare(model, precision, formats, temporary, reference_images, options)
         report = dict(
             metadata or {},
             kind=kind,
             precision=precision,
-            layer_policy=layer_policy(precision),
+            layer_policy=copies.layer_policy(precision),
             source_layer_policy=next(
                 (layer.dtype_policy.name for layer in model.layers if layer.weights), None
             ),
-            batch_norms_folded=len(_batch_norm_folds(model)),
-            preprocessing=inference.Preprocessing.from_shape(model.input.shape[1:]).to_json(),
+            batch_norms_folded=len(copies.batch_norm_folds(model)),
+            preprocessing=predictors.Preprocessing.from_shape(model.input.shape[1:]).to_json(),
             artifacts=rows,
         )
         report.setdefault("compared_with", f"{len(reference_images)} images")
-        if detector:
-            report.update(detector=detector)
-            report["preprocessing"]["resize"] = export_detector.PREPROCESSING
-        with open(os.path.join(temporary, METADATA_FILE), "w", encoding="utf-8") as file:
+        if options:
+            report[kind] = options
+        if KINDS[kind].resize:
+            report["preprocessing"]["resize"] = KINDS[kind].resize
+        with open(os.path.join(temporary, run_files.EXPORT_METADATA_FILE), "w", encoding="utf-8") as file:
             json.dump(report, file, indent=2)
         _replace_directory(temporary, final_dir)
     except BaseException:
@@ -332,49 +218,6 @@ def export(
         raise
     report["directory"] = os.path.abspath(final_dir)
     return report
-
-
-def _write_and_compare(model, precision, formats, directory, reference_images) -> list[dict]:
-    """Writes each format into `directory`, reloads it and compares it with the model."""
-    from tfmp.serving import predictors as inference
-
-    copy = inference_copy(model, precision)
-    writers = {
-        "saved_model": lambda path: write_saved_model(copy, path),
-        "tflite": lambda path: write_tflite(
-            copy if precision == "float32" else inference_copy(model, "float32"),
-            path,
-            float16_weights=precision != "float32",
-        ),
-        "keras": lambda path: copy.save(path),
-    }
-    loaders = {
-        "saved_model": inference.SavedModelPredictor,
-        "tflite": inference.TFLitePredictor,
-        "keras": inference.KerasPredictor,
-    }
-    file_names = {"saved_model": SAVED_MODEL_DIR, "tflite": TFLITE_FILE, "keras": KERAS_FILE}
-    # The reference is the trained weights computed in float32: the exact function the
-    # training policy approximated, so each row shows what its precision costs.
-    expected = reference_outputs(inference_copy(model, "float32", fold_batch_norms=False), reference_images)
-    rows = []
-    for name in formats:
-        path = os.path.join(directory, file_names[name])
-        writers[name](path)
-        outputs = loaders[name](path, {}).predict(reference_images)
-        rows.append(
-            {
-                "format": name,
-                "file": file_names[name],
-                "precision": "float16 weights, float32 compute"
-                if name == "tflite" and precision != "float32"
-                else precision,
-                "size_bytes": disk_size(path),
-                "max_abs_difference": float(np.max(np.abs(outputs - expected))),
-                "top1_agreement": float(np.mean(outputs.argmax(-1) == expected.argmax(-1))),
-            }
-        )
-    return rows
 
 
 def reference_outputs(model, images, batch_size=64):
@@ -408,22 +251,9 @@ def disk_size(path: str) -> int:
     )
 
 
-def format_table(rows: list[dict]) -> str:
-    """The difference table as aligned text (a detector's: per output, see tfmp.serving.detector)."""
-    header = ("format", "precision", "size", "max |diff| vs Keras float32", "top-1 agreement")
-    lines = [
-        (
-            row["format"],
-            row["precision"],
-            f"{row['size_bytes'] / 2**20:.2f} MiB",
-            f"{row['max_abs_difference']:.2e}",
-            f"{100 * row['top1_agreement']:.1f}%",
-        )
-        for row in rows
-        if "top1_agreement" in row
-    ]
-    if rows and "detection_agreement" in rows[0]:
-        header, lines = export_detector.table_lines(rows)
+def format_table(rows: list[dict], kind: str = "classifier") -> str:
+    """The difference table of an export of `kind` (export.json's "kind") as aligned text."""
+    header, lines = KINDS[kind].table(rows)
     widths = [max(len(str(cells[i])) for cells in [header, *lines]) for i in range(len(header))]
     return "\n".join(
         "  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths)).rstrip()
@@ -439,71 +269,130 @@ def export_run(
     output_dir: str | None = None,
     eval_batches: int = 2,
     batch_size: int = 32,
-    detector_options: dict | None = None,
+    options: dict | None = None,
 ) -> dict:
     """Exports `run_dir/model.keras` to `output_dir` (default `run_dir/export`)/<precision>/,
     compared on `eval_batches` eval batches of the run's dataset (random images if the data
     cannot be read here). Everything a user can get wrong is checked before writing."""
-    from tfmp.serving import predictors as inference
-
     formats = check_request(formats, precision)
     if eval_batches < 1 or batch_size < 1:
         raise UsageError(f"eval_batches={eval_batches} and batch_size={batch_size} must be >= 1")
-    model_path = os.path.join(run_dir, inference.RUN_MODEL_FILE)
+    model_path = os.path.join(run_dir, run_files.MODEL_FILE)
     if not os.path.isdir(run_dir):
         raise UsageError(f"--model_dir={run_dir} does not exist; give a training run dir")
     if not os.path.isfile(model_path):
         raise UsageError(
-            f"--model_dir={run_dir} holds no {inference.RUN_MODEL_FILE}; "
+            f"--model_dir={run_dir} holds no {run_files.MODEL_FILE}; "
             "train to the end first (the model is saved when a run finishes)"
         )
-    model = inference.KerasPredictor(model_path, {}).model
-    metadata = inference.run_metadata(run_dir)
+    model = predictors.KerasPredictor(model_path, {}).model
+    metadata = predictors.run_metadata(run_dir)
+    kind = KINDS[model_kind(model)]
     found = None
-    if model_kind(model) == "detector" and metadata.get("dataset"):
-        options = export_detector.options_for(model, detector_options, metadata.get("model"))
-        found = export_detector.eval_images(
-            metadata, options["image_size"], options, eval_batches, batch_size
-        )
-    images, source = found or _eval_images(metadata, tuple(model.input.shape[1:]), eval_batches, batch_size)
+    if metadata.get("dataset"):
+        kind_options = kind.options(model, options, metadata.get("model"))
+        found = kind.eval_images(metadata, model, kind_options, eval_batches, batch_size)
+    if found is None:
+        rng = np.random.default_rng(0)
+        shape = (eval_batches * batch_size, *model.input.shape[1:])
+        found = rng.uniform(size=shape).astype(np.float32), f"{shape[0]} random images"
+    images, source = found
     metadata.update(source_model=os.path.abspath(model_path), compared_with=source)
     return export(
         model,
-        output_dir or os.path.join(run_dir, "export"),
+        output_dir or os.path.join(run_dir, run_files.EXPORT_DIR),
         formats,
         precision,
         metadata=metadata,
         reference_images=images,
-        detector_options=detector_options,
+        options=options,
     )
 
 
-def _eval_images(metadata: dict, image_shape, batches: int, batch_size: int):
-    """(images, description): eval batches of the run's dataset, or random images."""
-    from tfmp.classification import data
+# ----------------------------------------------------------------------------- the classifier kind
+def _classifier_serving(model: keras.Model, options: dict):
+    height, width, channels = model.input.shape[1:]
+    spec = tf.TensorSpec([None, height, width, channels], tf.float32, name=INPUT_NAME)
 
-    dataset = metadata.get("dataset")
-    if dataset and dataset != "synthetic":
-        try:
-            stream, _ = data.load(
-                dataset,
-                "eval",
-                batch_size,
-                image_size=metadata.get("image_size"),
-                data_dir=metadata.get("data_dir"),
-                training=False,
-            )
-            images = np.concatenate([batch.numpy() for batch, _ in stream.take(batches)])
-            if images.shape[1:] == image_shape:
-                return images, f"{len(images)} eval images of {dataset}"
-        except Exception as error:  # data not readable here: the comparison still means something
-            from absl import logging
+    @tf.function(input_signature=[spec])
+    def serve(images):
+        # The first layer casts the float32 images to its compute dtype; the softmax is float32.
+        return {OUTPUT_NAME: tf.cast(model(images, training=False), tf.float32)}
 
-            logging.warning(
-                "tfmp.serving.export: eval data of %s unavailable (%s); comparing on random images",
-                dataset,
-                str(error).splitlines()[0] if str(error) else error,
-            )
-    rng = np.random.default_rng(0)
-    images = rng.uniform(size=(batches * batch_size, *image_shape)).astype(np.float32)
-    return images, f"{len(images)} random images"
+    return serve
+
+
+def _classifier_compare(model, precision, formats, directory, reference_images, options) -> list[dict]:
+    """Writes each format, reloads it and compares its probabilities with the model's."""
+    copy = copies.inference_copy(model, precision)
+    # The reference is the trained weights computed in float32: the exact function the
+    # training policy approximated, so each row shows what its precision costs.
+    reference = copies.inference_copy(model, "float32", fold_batch_norms=False)
+    expected = reference_outputs(reference, reference_images)
+    rows = []
+    for name, path in written_artifacts(model, copy, precision, formats, directory, options):
+        outputs = predictors.LOADERS[name](path, {}).predict(reference_images)
+        rows.append(
+            {
+                "format": name,
+                "file": FILE_NAMES[name],
+                "precision": artifact_precision(name, precision),
+                "size_bytes": disk_size(path),
+                "max_abs_difference": float(np.max(np.abs(outputs - expected))),
+                "top1_agreement": float(np.mean(outputs.argmax(-1) == expected.argmax(-1))),
+            }
+        )
+    return rows
+
+
+def _classifier_table(rows: list[dict]) -> tuple[tuple, list[tuple]]:
+    header = ("format", "precision", "size", "max |diff| vs Keras float32", "top-1 agreement")
+    lines = [
+        (
+            row["format"],
+            row["precision"],
+            f"{row['size_bytes'] / 2**20:.2f} MiB",
+            f"{row['max_abs_difference']:.2e}",
+            f"{100 * row['top1_agreement']:.1f}%",
+        )
+        for row in rows
+    ]
+    return header, lines
+
+
+def _classifier_eval_images(metadata: dict, model, options, batches: int, batch_size: int):
+    """(images, description): eval batches of the run's classification dataset, or None."""
+    dataset = metadata["dataset"]
+    if dataset == "synthetic":
+        return None
+    try:
+        stream, _ = classification_data.load(
+            dataset,
+            "eval",
+            batch_size,
+            image_size=metadata.get("image_size"),
+            data_dir=metadata.get("data_dir"),
+            training=False,
+        )
+        images = np.concatenate([batch.numpy() for batch, _ in stream.take(batches)])
+    except Exception as error:  # data not readable here: the comparison still means something
+        logging.warning(
+            "tfmp.serving.export: eval data of %s unavailable (%s); comparing on random images",
+            dataset,
+            str(error).splitlines()[0] if str(error) else error,
+        )
+        return None
+    if images.shape[1:] != tuple(model.input.shape[1:]):
+        return None
+    return images, f"{len(images)} eval images of {dataset}"
+
+
+KINDS: dict[str, ExportKind] = {
+    "classifier": ExportKind(
+        accepts=lambda model: not isinstance(model.output, dict),
+        serving=_classifier_serving,
+        compare=_classifier_compare,
+        table=_classifier_table,
+        eval_images=_classifier_eval_images,
+    ),
+}

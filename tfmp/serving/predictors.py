@@ -1,16 +1,20 @@
 """Load any tfmp model artifact, preprocess images as training did, and predict.
 
-    from tfmp.serving import predictors as inference
-    predictor = inference.load("runs/x")          # a run dir, an export dir, a SavedModel dir,
+    from tfmp.serving import predictors
+    predictor = predictors.load("runs/x")         # a run dir, an export dir, a SavedModel dir,
                                                   # a .tflite or a .keras file
-    images = inference.read_images(["cat.png"], predictor.preprocessing)
+    images = predictors.read_images(["cat.png"], predictor.preprocessing)
     probabilities = predictor.predict(images)     # float32 (N, classes)
-    print(inference.top_k(probabilities[0], 5, predictor.class_names))
+    print(predictors.top_k(probabilities[0], 5, predictor.class_names))
 
 Preprocessing is the one of `tfmp.classification.data`'s image folders: decode, float32 in [0, 1], bilinear
 resize with antialiasing to the model's input size, clip to [0, 1]. The size and channels come
 from the model's input; class names from the export's `export.json`, or, for a run dir, from the
 dataset named in its `flags.txt` (resolved flags written by training).
+
+Model kinds: `KINDS` maps a kind ("classifier", here; "detector", registered by
+`tfmp.serving.detector`) to what predicting with it needs: which `--model` names a run of that
+kind trained, its dataset's class names, and how `apps.predict` turns image files into records.
 """
 
 from __future__ import annotations
@@ -19,14 +23,32 @@ import abc
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 
+import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmp import models, run_dir
+from tfmp import precision as _precision  # noqa: F401  registers the loss-scale optimizer a run saves
+from tfmp.classification import data as classification_data
 from tfmp.errors import UsageError
+from tfmp.serving import layers as _layers  # noqa: F401  registers FoldedBatchNorm for exported .keras
 
-RUN_MODEL_FILE, RUN_FLAGS_FILE, RUN_CARD_FILE = "model.keras", "flags.txt", "run_card.json"
-METADATA_FILE = "export.json"  # = tfmp.serving.export.METADATA_FILE (kept here so loading stays light)
+
+@dataclasses.dataclass(frozen=True)
+class PredictionKind:
+    """What predicting with one kind of model needs beyond the generic loaders.
+
+    `trains(name)`: whether a run that trained `--model=name` is of this kind.
+    `class_names(dataset, image_size, data_dir)`: the dataset's class names (None if unknown).
+    `predict_files(model, image_paths, settings)`: one JSON-able record per image, for
+    `apps.predict` (`settings`: its flags top_k, batch_size, score_threshold, max_detections,
+    output_dir; each kind reads the ones it uses)."""
+
+    trains: Callable[[str | None], bool]
+    class_names: Callable[[str, int | None, str | None], list[str] | None]
+    predict_files: Callable[[str, list[str], dict], list[dict]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,29 +152,11 @@ class Predictor(abc.ABC):
     def outputs_batch(self, images: np.ndarray) -> dict:
         return {"probabilities": self.predict_batch(images)}
 
-    def detector_outputs(self, images: np.ndarray, batch_size: int = 64) -> tuple[dict, dict]:
-        """(raw outputs, detections) of a detector artifact; the detections are decoded here
-        exactly as an exported SavedModel's serving_default decodes them (export.json's
-        "detector" section: anchors, thresholds)."""
-        from tfmp.serving import detector as export_detector
-
-        if not self.metadata.get("detector"):
-            raise UsageError(
-                f"{self.path!r} is not an exported detector (its export.json has no "
-                "detector section); export the run with apps.export first"
-            )
-        raw = self.predict_outputs(images, batch_size)
-        return raw, export_detector.decode(raw, self.metadata["detector"])
-
 
 class KerasPredictor(Predictor):
     format = "keras"
 
     def __init__(self, path, metadata, model=None):
-        import keras
-
-        from tfmp import models, precision  # noqa: F401  (register tfmp layers)
-
         if model is None:
             try:
                 model = keras.saving.load_model(path, compile=False)
@@ -204,22 +208,10 @@ class SavedModelPredictor(Predictor):
         outputs = self.loaded.signatures[signature](**{self.input_name: tf.constant(images)})
         return {key: value.numpy() for key, value in outputs.items()}
 
-    def detector_outputs(self, images, batch_size=64):
-        """(raw outputs from the `raw_outputs` signature, detections from serving_default)."""
-        from tfmp.serving import detector as export_detector
-
-        if export_detector.RAW_SIGNATURE not in self.loaded.signatures:
-            raise UsageError(
-                f"SavedModel {self.path!r} is not an exported detector (no "
-                f"{export_detector.RAW_SIGNATURE} signature)"
-            )
-        raw = self.predict_outputs(images, batch_size, signature=export_detector.RAW_SIGNATURE)
-        return raw, self.predict_outputs(images, batch_size)
-
 
 def tflite_interpreter_class():
     """LiteRT's interpreter (the `litert` extra) if installed, else the deprecated tf.lite one."""
-    try:
+    try:  # optional: ai-edge-litert is an extra (`pip install tfmp[litert]`), imported only if present
         from ai_edge_litert.interpreter import Interpreter
     except ImportError:
         Interpreter = tf.lite.Interpreter
@@ -265,27 +257,23 @@ class TFLitePredictor(Predictor):
         }
 
 
+LOADERS = {"saved_model": SavedModelPredictor, "tflite": TFLitePredictor, "keras": KerasPredictor}
+
+
 # ----------------------------------------------------------------------------- finding artifacts
-def read_run_flags(run_dir: str) -> dict:
-    """The resolved training flags of a run (`--name=value` lines of flags.txt) as a dict."""
-    flags = {}
-    path = os.path.join(run_dir, RUN_FLAGS_FILE)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as file:
-            for line in file:
-                name, equals, value = line.strip().partition("=")
-                if name.startswith("--") and equals:
-                    flags[name[2:]] = value
-    return flags
+def run_kind(path: str) -> str:
+    """The kind of model a training run dir trained: the first kind whose registry entry trains
+    its `--model` (a name no kind lists is served as a classifier: one probabilities output)."""
+    name = run_dir.read_flags(path).get("model")
+    return next((kind for kind, spec in KINDS.items() if spec.trains(name)), "classifier")
 
 
-def run_metadata(run_dir: str) -> dict:
+def run_metadata(path: str) -> dict:
     """Dataset, model and class names of a training run dir (what export.json carries)."""
-    flags = read_run_flags(run_dir)
+    flags = run_dir.read_flags(path)
     dataset = flags.get("dataset")
-    if dataset is None and os.path.isfile(os.path.join(run_dir, RUN_CARD_FILE)):
-        with open(os.path.join(run_dir, RUN_CARD_FILE), encoding="utf-8") as file:
-            dataset = str(json.load(file).get("dataset", "")).split(" ")[0] or None
+    if dataset is None:
+        dataset = str(run_dir.read_run_card(path).get("dataset", "")).split(" ")[0] or None
     image_size = flags.get("image_size")
     metadata = {
         "model": flags.get("model"),
@@ -294,47 +282,28 @@ def run_metadata(run_dir: str) -> dict:
         "image_size": int(image_size) if image_size and image_size.isdigit() else None,
         "class_names": None,
     }
-    if dataset and is_detector_run(run_dir):
-        from tfmp.detection import data as detection_data
-
-        try:  # a detection dataset's names (classification's "shapes" has other classes)
-            info = detection_data.describe(
-                dataset, image_size=metadata["image_size"], data_dir=metadata["data_dir"]
-            )
-            metadata["class_names"] = list(info.class_names)
-        except Exception:
-            pass
-    elif dataset:
-        from tfmp.classification import data
-
+    if dataset:
         try:  # names need the dataset's description only (a folder listing, TFDS metadata)
-            info = data.describe(dataset, image_size=metadata["image_size"], data_dir=metadata["data_dir"])
-            metadata["class_names"] = list(info.class_names) if info.class_names else None
+            names = KINDS[run_kind(path)].class_names(dataset, metadata["image_size"], metadata["data_dir"])
+            metadata["class_names"] = list(names) if names else None
         except Exception:  # the data moved or TFDS is missing: predict without names
             pass
     return metadata
 
 
-def is_detector_run(run_dir: str) -> bool:
-    """Whether a training run dir trained a detector (its flags.txt names one)."""
-    from tfmp.detection import retinanet
-
-    return read_run_flags(run_dir).get("model") in retinanet.DETECTORS
-
-
-def is_detector(path: str) -> bool:
-    """Whether --model `path` (run dir, export dir, SavedModel dir, file) holds a detector."""
+def kind_of(path: str) -> str:
+    """The kind of model --model `path` (run dir, export dir, SavedModel dir, file) holds."""
     path = os.path.normpath(os.path.expanduser(path))
     directory = path if os.path.isdir(path) else os.path.dirname(path)
     for folder in (directory, os.path.dirname(directory)):  # an export's SavedModel: its parent
         metadata = _export_metadata(folder)
         if metadata is not None:
-            return metadata.get("kind") == "detector"
-    return is_detector_run(directory)
+            return metadata.get("kind", "classifier")
+    return run_kind(directory)
 
 
 def _export_metadata(directory: str) -> dict | None:
-    path = os.path.join(directory, METADATA_FILE)
+    path = os.path.join(directory, run_dir.EXPORT_METADATA_FILE)
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as file:
@@ -347,7 +316,7 @@ def load(path: str) -> Predictor:
     if os.path.isfile(path):
         directory = os.path.dirname(path)
         metadata = _export_metadata(directory)
-        if metadata is None and os.path.isfile(os.path.join(directory, RUN_FLAGS_FILE)):
+        if metadata is None and run_dir.is_run_dir(directory):
             metadata = run_metadata(directory)
         if path.endswith(".tflite"):
             return TFLitePredictor(path, metadata or {})
@@ -371,10 +340,12 @@ def load(path: str) -> Predictor:
         ):
             if os.path.exists(os.path.join(path, name)):
                 return predictor(os.path.join(path, name), metadata)
-    if os.path.isfile(os.path.join(path, RUN_MODEL_FILE)):
-        return KerasPredictor(os.path.join(path, RUN_MODEL_FILE), run_metadata(path))
+    if os.path.isfile(os.path.join(path, run_dir.MODEL_FILE)):
+        return KerasPredictor(os.path.join(path, run_dir.MODEL_FILE), run_metadata(path))
     exports = sorted(
-        name for name in os.listdir(path) if os.path.isfile(os.path.join(path, name, METADATA_FILE))
+        name
+        for name in os.listdir(path)
+        if os.path.isfile(os.path.join(path, name, run_dir.EXPORT_METADATA_FILE))
     )
     if exports:  # RUN/export: one dir per precision
         raise UsageError(
@@ -382,6 +353,38 @@ def load(path: str) -> Predictor:
             + ", ".join(os.path.join(path, name) for name in exports)
         )
     raise UsageError(
-        f"--model={path} holds no model (no {RUN_MODEL_FILE}, saved_model.pb or "
-        f"{METADATA_FILE}); train first or point at an export"
+        f"--model={path} holds no model (no {run_dir.MODEL_FILE}, saved_model.pb or "
+        f"{run_dir.EXPORT_METADATA_FILE}); train first or point at an export"
     )
+
+
+# ----------------------------------------------------------------------------- the classifier kind
+def classify_files(model: str, paths: list[str], settings: dict) -> list[dict]:
+    """{"image": path, "top_k": [{"class", "name", "probability"}, ...]} per image file; every
+    file is decoded before anything is predicted. `settings`: top_k, batch_size."""
+    predictor = load(model)
+    if isinstance(getattr(getattr(predictor, "model", None), "output", None), dict):
+        raise UsageError(
+            f"--model={model} is a detector without a run's flags.txt or an export.json; "
+            "give its run dir or export it with apps.export"
+        )
+    pixels = read_images(paths, predictor.preprocessing)
+    probabilities = predictor.predict(pixels, batch_size=settings.get("batch_size", 64))
+    return [
+        {"image": path, "top_k": top_k(row, settings.get("top_k", 5), predictor.class_names)}
+        for path, row in zip(paths, probabilities)
+    ]
+
+
+def _classification_names(dataset: str, image_size: int | None, data_dir: str | None):
+    info = classification_data.describe(dataset, image_size=image_size, data_dir=data_dir)
+    return info.class_names
+
+
+KINDS: dict[str, PredictionKind] = {
+    "classifier": PredictionKind(
+        trains=lambda name: name in models.MODELS,
+        class_names=_classification_names,
+        predict_files=classify_files,
+    ),
+}
