@@ -1,14 +1,16 @@
 """Tests for tfmp.detection.targets: the batched on-device matcher equals the per-example one.
 
 Random scenes plus the edge cases (no boxes, padded rows, ties, one anchor best for two boxes),
-compared image by image with `boxes.match`; and the whole thing compiles with XLA.
+compared image by image with `boxes.match`; the whole thing compiles with XLA; and the losses
+that match in the step equal the losses on per-anchor labels.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp.detection import boxes, targets
+from tfmp.detection import boxes, losses, targets
 
 ANCHORS = boxes.generate_anchors(64, boxes.AnchorConfig(levels=(3, 4, 5)))
 
@@ -94,3 +96,31 @@ def test_matching_compiles_with_xla_for_a_whole_batch():
     np.testing.assert_array_equal(found["classes"], eager["classes"])
     # XLA may fuse the delta arithmetic differently: equal to float32 rounding of deltas ~1-10.
     np.testing.assert_allclose(found["boxes"], eager["boxes"], rtol=0, atol=10 * 8 * np.finfo(np.float32).eps)
+
+
+def test_losses_matching_in_the_step_equal_losses_on_pipeline_labels():
+    ground_truth, classes, valid = _random_truth(5)
+    truth = {"boxes": ground_truth, "classes": classes, "box_valid": valid}
+    matcher = targets.AnchorMatcher(64, boxes.AnchorConfig(levels=(3, 4, 5)))
+    labels = targets.loss_labels(targets.match_anchors(matcher.anchors(), ground_truth, classes, valid))
+    packed = losses.ground_truth_labels(truth)
+    rng = np.random.default_rng(0)
+    logits = tf.constant(rng.normal(size=(5, ANCHORS.shape[0], 4)), tf.float32)
+    deltas = tf.constant(rng.normal(size=(5, ANCHORS.shape[0], 4)), tf.float32)
+    for on_device, per_anchor, prediction in (
+        (losses.ClassLoss(matcher=matcher), losses.ClassLoss(), logits),
+        (losses.BoxLoss(matcher=matcher), losses.BoxLoss(), deltas),
+    ):
+        key = "classes" if isinstance(per_anchor, losses.ClassLoss) else "boxes"
+        np.testing.assert_allclose(
+            on_device(packed[key], prediction), per_anchor(labels[key], prediction), rtol=1e-6
+        )
+        restored = keras.losses.deserialize(keras.losses.serialize(on_device))
+        assert restored.matcher == matcher
+
+
+def test_ground_truth_packs_and_unpacks_exactly():
+    ground_truth, classes, valid = _random_truth(6)
+    unpacked = targets.unpack_ground_truth(targets.pack_ground_truth(ground_truth, classes, valid))
+    for got, expected in zip(unpacked, (ground_truth, classes, valid)):
+        np.testing.assert_array_equal(got, expected)

@@ -6,6 +6,9 @@
     targets.positive, targets.ignore      # bool [B, N]
     labels = loss_labels(targets)         # the {"classes", "boxes"} encoding of detection.losses
 
+    matcher = AnchorMatcher(128, anchor_config)   # anchors + thresholds, serialisable (losses)
+    targets = matcher(pack_ground_truth(boxes, classes, valid))
+
 The input pipeline hands the step ground truth padded to `max_boxes` rows with a validity mask
 (`boxes` [B, M, 4] xyxy pixels, `classes` [B, M] int32, `valid` [B, M] bool); this module turns
 it into per-anchor targets inside the step, one batched IoU matrix [B, N, M] instead of one
@@ -22,6 +25,10 @@ image by image (tests/test_detection_targets.py):
   several boxes takes the one with the highest row index (as the per-example scatter does);
 * ties between boxes for an anchor go to the lowest row index (`argmax`).
 
+Keras hands each loss one label tensor, so a loss that matches in the step gets the ground
+truth packed into one float32 tensor [B, M, 6] (`pack_ground_truth`: x_min, y_min, x_max,
+y_max, class, valid) and an `AnchorMatcher` that knows the anchors and thresholds.
+
 `anchors` may be [N, 4] (the same anchors for every image: RetinaNet, an RPN) or [B, N, 4]
 (per-image candidates, e.g. a second stage's proposals). `matched_box` ([B, N] int32, the row of
 the box each anchor matched, meaningful where `positive`) and `matched_iou` let a caller sample
@@ -30,11 +37,21 @@ or weight anchors further.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import tensorflow as tf
 
-from tfmp.detection.boxes import BACKGROUND, IGNORE, NEGATIVE_IOU, POSITIVE_IOU, compute_iou, encode
+from tfmp.detection.boxes import (
+    BACKGROUND,
+    IGNORE,
+    NEGATIVE_IOU,
+    POSITIVE_IOU,
+    AnchorConfig,
+    compute_iou,
+    encode,
+    generate_anchors,
+)
 
 
 class AnchorTargets(NamedTuple):
@@ -109,3 +126,50 @@ def loss_labels(targets: AnchorTargets) -> dict:
     [B, N, 5]} (deltas and a 5th column, 1.0 on positive anchors), as `boxes.match` encodes them."""
     weight = tf.cast(targets.positive, tf.float32)[..., None]
     return {"classes": targets.classes, "boxes": tf.concat([targets.box_deltas, weight], axis=-1)}
+
+
+def pack_ground_truth(boxes, classes, valid) -> tf.Tensor:
+    """Ground truth as one float32 tensor [..., M, 6]: box xyxy, class, valid (1.0 / 0.0)."""
+    return tf.concat(
+        [
+            tf.cast(boxes, tf.float32),
+            tf.cast(classes, tf.float32)[..., None],
+            tf.cast(valid, tf.float32)[..., None],
+        ],
+        axis=-1,
+    )
+
+
+def unpack_ground_truth(packed) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(boxes float32 [..., M, 4], classes int32 [..., M], valid bool [..., M])."""
+    packed = tf.convert_to_tensor(packed, tf.float32)
+    classes = tf.cast(tf.round(packed[..., 4]), tf.int32)  # class ids are exact in float32
+    return packed[..., :4], classes, packed[..., 5] > 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorMatcher:
+    """The anchors of a square `image_size` input (`config`) and the IoU thresholds: packed
+    ground truth in, `AnchorTargets` out. Plain values, so a Keras loss can serialise it."""
+
+    image_size: int
+    config: AnchorConfig = AnchorConfig()
+    positive_iou: float = POSITIVE_IOU
+    negative_iou: float = NEGATIVE_IOU
+
+    def anchors(self) -> tf.Tensor:
+        return generate_anchors(self.image_size, self.config)
+
+    def __call__(self, packed_ground_truth) -> AnchorTargets:
+        boxes, classes, valid = unpack_ground_truth(packed_ground_truth)
+        return match_anchors(self.anchors(), boxes, classes, valid, self.positive_iou, self.negative_iou)
+
+    def get_config(self) -> dict:
+        return {**dataclasses.asdict(self), "config": dataclasses.asdict(self.config)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> AnchorMatcher:
+        anchors = {
+            key: tuple(value) if isinstance(value, list) else value for key, value in config["config"].items()
+        }
+        return cls(**{**config, "config": AnchorConfig(**anchors)})
