@@ -166,14 +166,19 @@ def render_scenes(randomness: dict, size: int, max_shapes: int = 4):
         :, None
     ]
     colours = background[:, None] + contrast  # [N, max_shapes, 3]
-    # Drawing shape after shape (image += alpha * (colour - image)), summed from the front:
-    # each colour weighs its coverage times the transparency of every later shape.
-    image, transparency = 0.0, 1.0
+    # Drawing shape after shape (image += alpha * (colour - image)) in closed form: each colour
+    # weighs its coverage times the transparency of every later shape, the background what is
+    # left; one small matmul mixes the colours (broadcasting them per pixel would cost more).
+    weights, transparency = [], 1.0
     for slot in reversed(range(max_shapes)):
-        image += (alpha[:, slot] * transparency)[..., None] * colours[:, slot, None, None]
+        weights.append(alpha[:, slot] * transparency)
         transparency *= 1.0 - alpha[:, slot]
-    image += transparency[..., None] * background[:, None, None]
-    image = tf.round(tf.clip_by_value(image + randomness["noise"], 0.0, 1.0) * 255.0) / 255.0
+    weights = tf.stack([transparency] + weights[::-1], axis=-1)  # [N, size, size, 1 + max_shapes]
+    palette = tf.concat([background[:, None], colours], axis=1)  # [N, 1 + max_shapes, 3]
+    image = tf.reshape(
+        tf.matmul(tf.reshape(weights, [batch, size * size, -1]), palette), [batch, size, size, 3]
+    )
+    image = tf.clip_by_value(tf.round((image + randomness["noise"]) * 255.0), 0.0, 255.0) / 255.0
     boxes = tf.where(keep[..., None], tf.reshape(boxes, [batch, max_shapes, 4]), 0.0)
     classes = tf.where(keep, tf.gather(labels, order, batch_dims=1), -1)
     return image, boxes, classes
