@@ -120,30 +120,30 @@ def _detector_setup(cell: dict, strategy, policy: str):
     import keras
 
     from tfmp import precision
-    from tfmp.detection import boxes, retinanet
     from tfmp.detection import data as detection_data
+    from tfmp.detection import losses, retinanet, targets
     from tfmp.detection.task import compile_detector
 
     size = cell["image_size"]
     info = detection_data.describe("shapes", image_size=size)
-    anchors = boxes.generate_anchors(size, retinanet.anchor_config(cell["model"]))
+    matcher = targets.AnchorMatcher(size, retinanet.anchor_config(cell["model"]))
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = retinanet.build_detector(cell["model"], size, info.num_classes, dtype=policy)
         optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy, "auto")
-    compile_detector(model, optimizer, strategy, int(anchors.shape[0]))
+    compile_detector(model, optimizer, strategy, matcher=matcher, max_boxes=info.max_boxes)
 
     def dataset_fn(context):
         dataset = detection_data.load(
             "shapes",
             "train",
             cell["global_batch_size"],
-            anchors=anchors,
             image_size=size,
             input_context=context,
         )[0]
-        # Synthetic reference: one real batch (drawn and anchor-matched once) repeated, so the
-        # input pipeline's cost drops out and the step is the same work.
+        dataset = dataset.map(lambda image, truth: (image, losses.ground_truth_labels(truth)))
+        # Synthetic reference: one real batch (drawn once) repeated, so the input pipeline's
+        # cost drops out and the step (anchors matched in it) is the same work.
         return dataset.take(1).cache().repeat() if cell["data"] == "synthetic" else dataset
 
     return model, optimizer, dataset_fn, (size, size, 3)

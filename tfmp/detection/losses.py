@@ -1,9 +1,14 @@
 """RetinaNet losses: focal loss for classes, Huber for boxes, both over the GLOBAL positive count.
 
-    model.compile(optimizer, loss={"classes": ClassLoss(), "boxes": BoxLoss()})
-    model.fit(dataset)      # elements (images, {"classes": ..., "boxes": ...})
+    matcher = targets.AnchorMatcher(128, anchor_config)       # anchors matched in the step
+    model.compile(optimizer, loss={"classes": ClassLoss(matcher=matcher), "boxes": BoxLoss(matcher=matcher)})
+    model.fit(dataset.map(lambda image, truth: (image, ground_truth_labels(truth))))
 
-Label encoding (made by `tfmp.detection.boxes.match` in the input pipeline):
+With a `matcher`, the labels are the padded ground truth of each image (`ground_truth_labels`
+of a `tfmp.detection.data` element: the same packed [B, M, 6] tensor under both keys) and each
+loss matches the anchors of its replica's batch itself (`tfmp.detection.targets.match_anchors`:
+one IoU matrix [B, A, M], small next to the model; the two losses' matchings are the same).
+Without one, the labels are per-anchor targets already (`data.load(..., anchors=...)`):
 
 * `y_true["classes"]`: int32 [B, A]; class id >= 0 for a positive anchor, -1 (`BACKGROUND`) for
   a negative, -2 (`IGNORE`) for an anchor with 0.4 <= IoU < 0.5 that counts in neither loss.
@@ -26,10 +31,23 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmp.detection import targets as anchor_targets
 from tfmp.distribute.strategies import global_sum
 
 FOCAL_ALPHA, FOCAL_GAMMA = 0.25, 2.0
 HUBER_DELTA = 1.0  # on deltas scaled by boxes.BOX_VARIANCE (~unit spread)
+
+
+def ground_truth_labels(truth: dict) -> dict:
+    """Labels for losses with a matcher from a `tfmp.detection.data` ground-truth dict."""
+    packed = anchor_targets.pack_ground_truth(truth["boxes"], truth["classes"], truth["box_valid"])
+    return {"classes": packed, "boxes": packed}
+
+
+def _matcher(matcher):
+    if matcher is None or isinstance(matcher, anchor_targets.AnchorMatcher):
+        return matcher
+    return anchor_targets.AnchorMatcher.from_config(matcher)  # from a saved loss config
 
 
 def _global_positives(positive):
@@ -44,12 +62,17 @@ class ClassLoss(keras.losses.Loss):
     `keras.losses.BinaryFocalCrossentropy` for the per-class terms."""
 
     def __init__(
-        self, alpha: float = FOCAL_ALPHA, gamma: float = FOCAL_GAMMA, name: str = "class_focal_loss", **kwargs
+        self,
+        alpha: float = FOCAL_ALPHA,
+        gamma: float = FOCAL_GAMMA,
+        name: str = "class_focal_loss",
+        matcher: anchor_targets.AnchorMatcher | dict | None = None,
+        **kwargs,
     ):
         kwargs.setdefault("reduction", "sum")
         kwargs.setdefault("dtype", "float32")
         super().__init__(name=name, **kwargs)
-        self.alpha, self.gamma = alpha, gamma
+        self.alpha, self.gamma, self.matcher = alpha, gamma, _matcher(matcher)
         self._focal = keras.losses.BinaryFocalCrossentropy(
             apply_class_balancing=True,
             alpha=alpha,
@@ -60,7 +83,7 @@ class ClassLoss(keras.losses.Loss):
         )
 
     def call(self, y_true, y_pred):
-        targets = tf.cast(y_true, tf.int32)
+        targets = self.matcher(y_true).classes if self.matcher else tf.cast(y_true, tf.int32)
         num_classes = y_pred.shape[-1] or tf.shape(y_pred)[-1]
         one_hot = tf.one_hot(tf.maximum(targets, -1), num_classes, dtype=tf.float32)  # -1 -> 0s
         # BinaryFocalCrossentropy averages over the class axis; the paper sums over it.
@@ -71,7 +94,8 @@ class ClassLoss(keras.losses.Loss):
         return per_image / _global_positives(targets >= 0)
 
     def get_config(self):
-        return {**super().get_config(), "alpha": self.alpha, "gamma": self.gamma}
+        matcher = self.matcher.get_config() if self.matcher else None
+        return {**super().get_config(), "alpha": self.alpha, "gamma": self.gamma, "matcher": matcher}
 
 
 @keras.saving.register_keras_serializable(package="tfmp")
@@ -79,15 +103,25 @@ class BoxLoss(keras.losses.Loss):
     """Huber (smooth-L1) loss of the encoded deltas of positive anchors, summed over the 4
     coordinates and anchors per image, divided by the global positive-anchor count."""
 
-    def __init__(self, delta: float = HUBER_DELTA, name: str = "box_huber_loss", **kwargs):
+    def __init__(
+        self,
+        delta: float = HUBER_DELTA,
+        name: str = "box_huber_loss",
+        matcher: anchor_targets.AnchorMatcher | dict | None = None,
+        **kwargs,
+    ):
         kwargs.setdefault("reduction", "sum")
         kwargs.setdefault("dtype", "float32")
         super().__init__(name=name, **kwargs)
-        self.delta = delta
+        self.delta, self.matcher = delta, _matcher(matcher)
         self._huber = keras.losses.Huber(delta=delta, reduction=None, dtype="float32")
 
     def call(self, y_true, y_pred):
-        targets, positive = y_true[..., :4], y_true[..., 4]
+        if self.matcher:
+            found = self.matcher(y_true)
+            targets, positive = found.box_deltas, tf.cast(found.positive, tf.float32)
+        else:
+            targets, positive = y_true[..., :4], y_true[..., 4]
         # Huber averages over its last axis: per coordinate, then summed back.
         per_coordinate = self._huber(targets[..., None], y_pred[..., None])
         per_anchor = tf.reduce_sum(per_coordinate, axis=-1)
@@ -95,4 +129,5 @@ class BoxLoss(keras.losses.Loss):
         return per_image / _global_positives(positive > 0)
 
     def get_config(self):
-        return {**super().get_config(), "delta": self.delta}
+        matcher = self.matcher.get_config() if self.matcher else None
+        return {**super().get_config(), "delta": self.delta, "matcher": matcher}

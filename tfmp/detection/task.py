@@ -3,8 +3,9 @@ plan, engine and loop as classification: `tfmp.training.run.train_and_evaluate(c
 `TASK` being a `tfmp.training.task.Task`.
 
 The detector (`tfmp.detection.retinanet`) is compiled with the focal and box losses, whose
-normaliser is the positive-anchor count of the *global* batch; anchors are matched in the input
-pipeline, so the replica step is static-shaped and XLA-compilable. Evaluation gathers every
+normaliser is the positive-anchor count of the *global* batch. The input pipeline hands over
+padded ground truth; the losses match the anchors of each replica's whole batch inside the step
+(`tfmp.detection.targets`), static-shaped. Evaluation gathers every
 eval image's raw outputs from all replicas and workers (`Engine.predict`), decodes them
 (float32, TensorFlow's combined NMS) and scores COCO metrics with pycocotools; padded rows are
 dropped and each image counts once.
@@ -17,24 +18,33 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp.classification import data as classification_data
-from tfmp.detection import boxes, data, evaluation, losses, retinanet
+from tfmp.detection import boxes, data, evaluation, losses, retinanet, targets
 from tfmp.training import fitting
 
 DECODE_BATCH = 64  # eval rows decoded per NMS call
 
 
-def compile_detector(model: keras.Model, optimizer, strategy, num_anchors: int) -> keras.Model:
-    """Compiles a RetinaNet with tfmp's focal + Huber losses and builds them for its labels."""
+def compile_detector(
+    model: keras.Model, optimizer, strategy, num_anchors: int | None = None, *, matcher=None, max_boxes=None
+) -> keras.Model:
+    """Compiles a RetinaNet with tfmp's focal + Huber losses and builds them for its labels:
+    per-anchor labels of `num_anchors` anchors, or with a `targets.AnchorMatcher` the packed
+    ground truth of `max_boxes` rows (`losses.ground_truth_labels`), matched in the step."""
     with strategy.scope():
-        model.compile(optimizer=optimizer, loss={"classes": losses.ClassLoss(), "boxes": losses.BoxLoss()})
+        model.compile(
+            optimizer=optimizer,
+            loss={"classes": losses.ClassLoss(matcher=matcher), "boxes": losses.BoxLoss(matcher=matcher)},
+        )
     size = model.input_shape[1]
-    spec = (
-        tf.TensorSpec((None, size, size, 3), tf.float32),
-        {
+    if matcher is not None:
+        truth = tf.TensorSpec((None, max_boxes, 6), tf.float32)
+        labels = {"classes": truth, "boxes": truth}
+    else:
+        labels = {
             "classes": tf.TensorSpec((None, num_anchors), tf.int32),
             "boxes": tf.TensorSpec((None, num_anchors, 5), tf.float32),
-        },
-    )
+        }
+    spec = (tf.TensorSpec((None, size, size, 3), tf.float32), labels)
     fitting.build_for_data(model, strategy, spec)
     return model
 
@@ -78,26 +88,28 @@ class DetectionTask:
             )
 
     def compile(self, model, optimizer, plan) -> keras.Model:
-        num_anchors = int(
-            boxes.generate_anchors(plan.info.image_size, retinanet.anchor_config(model.name)).shape[0]
+        matcher = targets.AnchorMatcher(plan.info.image_size, retinanet.anchor_config(model.name))
+        return compile_detector(
+            model, optimizer, plan.strategy, matcher=matcher, max_boxes=plan.info.max_boxes
         )
-        return compile_detector(model, optimizer, plan.strategy, num_anchors)
 
     def train_dataset(self, config, plan, input_context=None, skip_examples: int = 0):
-        """(endless stream of (images, matched anchor targets), shard policy); global batches
-        without `input_context`, per-replica batches of this pipeline's shard with one."""
-        return data.load(
+        """(endless stream of (images, padded ground truth as the losses take it), shard policy);
+        global batches without `input_context`, per-replica batches of this pipeline's shard with
+        one. Anchors are matched in the step (the losses' AnchorMatcher), not here."""
+        dataset, policy = data.load(
             config.data.dataset,
             "train",
             config.data.global_batch_size,
-            anchors=self.anchors(config, plan),
             image_size=plan.info.image_size,
             data_dir=config.data.data_dir,
             input_context=input_context,
             augment=config.data.augment,
+            cache=config.data.cache,
             seed=config.seed,
             skip_examples=skip_examples,
         )
+        return dataset.map(lambda image, truth: (image, losses.ground_truth_labels(truth))), policy
 
     def inputs(self, config, plan, engine, start_step: int):
         """One endless training stream positioned at `start_step`, and COCO evaluation."""
@@ -115,13 +127,12 @@ class DetectionTask:
                 config.data.dataset,
                 "eval",
                 config.data.global_batch_size,
-                anchors=anchors,
                 image_size=size,
                 data_dir=config.data.data_dir,
                 input_context=input_context,
+                cache=config.data.cache,
             )[0]
-            # Only images and ground truth travel to the gather: the anchor targets stay behind.
-            return dataset.map(lambda image, labels, truth: (image, truth))
+            return dataset  # (image, truth): what the evaluator needs travels to the gather
 
         train_iterator = iter(strategy.distribute_datasets_from_function(train_input))
         eval_dataset = strategy.distribute_datasets_from_function(eval_input) if config.evaluate else None
