@@ -6,10 +6,27 @@ ROIAlign against a NumPy reference, proposals and sampling, the model under ever
 
 import math
 
+import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
-from tfmp.detection import roi_align
+from tfmp.detection import boxes, data, faster_rcnn, proposals, rcnn_task, roi_align
+
+SIZE, CLASSES = 64, 6
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+_FEW_ANCHORS = boxes.generate_anchors(SIZE, boxes.AnchorConfig(levels=(5,)))
+FLOAT32_PARTS = (
+    "_rpn_objectness_conv",
+    "_rpn_deltas",
+    "_rpn_scores",
+    "_proposals",
+    "_sample_rois",
+    "_roi_align",
+    "_head_classes",
+    "_head_deltas",
+    "_detections",
+)
 
 
 # ----------------------------------------------------------------------------- ROIAlign
@@ -93,3 +110,56 @@ def test_roi_align_layer_is_float32_under_mixed_policies():
     pooled = layer([tf.constant([[[8.0, 8.0, 40.0, 40.0]]]), features])
     assert layer.dtype_policy.name == "float32" and pooled.dtype == tf.float32
     assert pooled.shape == (1, 1, 2, 2, 4)
+
+
+# ----------------------------------------------------------------------------- proposals
+def _truth(rows=4, size=SIZE):
+    """Padded ground truth of `rows` shapes scenes (uneven box counts)."""
+    dataset = data.load("shapes", "eval", rows, anchors=_FEW_ANCHORS, image_size=size)[0]
+    images, _, truth = next(iter(dataset))
+    return images, truth["boxes"], truth["classes"]
+
+
+def test_rpn_targets_sample_at_most_half_positive_and_do_not_depend_on_the_batch():
+    anchors = boxes.generate_anchors(SIZE, boxes.AnchorConfig(levels=(3, 4, 5)))
+    _, gt_boxes, gt_classes = _truth()
+    labels, targets = proposals.rpn_targets(anchors, gt_boxes, gt_classes, samples=32)
+    sampled = tf.reduce_sum(tf.cast(labels >= 0, tf.int32), axis=-1).numpy()
+    positive = tf.reduce_sum(tf.cast(labels > 0, tf.int32), axis=-1).numpy()
+    assert (sampled == 32).all() and (positive >= 1).all() and (positive <= 16).all()
+    assert targets.dtype == tf.float32
+    # Image 2 alone samples exactly what it samples inside the batch (keys from its own boxes).
+    alone, _ = proposals.rpn_targets(anchors, gt_boxes[2:3], gt_classes[2:3], samples=32)
+    np.testing.assert_array_equal(alone[0].numpy(), labels[2].numpy())
+
+
+def test_sampled_rois_include_the_ground_truth_and_keep_the_positive_fraction():
+    _, gt_boxes, gt_classes = _truth()
+    # Proposals that overlap nothing: the only foreground candidates are the added boxes.
+    far = tf.tile(tf.constant([[[0.0, 0.0, 3.0, 3.0]]]), [4, 10, 1])
+    rois, weights = proposals.sample_rois(far, tf.ones([4, 10], tf.bool), gt_boxes, gt_classes, 8, 0.5)
+    classes, _ = proposals.roi_targets(rois, gt_boxes, gt_classes)
+    real = tf.reduce_sum(tf.cast(gt_classes >= 0, tf.int32), axis=-1).numpy()
+    foreground = tf.reduce_sum(tf.cast(classes > 0, tf.float32) * weights, axis=-1).numpy()
+    np.testing.assert_array_equal(foreground, np.minimum(real, 4))
+    np.testing.assert_array_equal(weights.numpy().sum(-1), 8)
+
+
+# ----------------------------------------------------------------------------- the model
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_box_related_layer_and_output_is_float32_under_every_policy(policy):
+    model = faster_rcnn.build_detector("faster_rcnn_tiny", SIZE, CLASSES, dtype=policy)
+    images, gt_boxes, gt_classes = _truth(2)
+    inputs = rcnn_task.model_inputs(images, gt_boxes, gt_classes)
+    for training in (True, False):
+        outputs = model(inputs, training=training)
+        for key, value in outputs.items():
+            assert value.dtype == (tf.int32 if key in ("classes", "valid_detections") else tf.float32), key
+    assert 0 < int(outputs["valid_detections"][0]) <= 100
+    assert all(weight.dtype == "float32" for weight in model.weights)
+    for layer in model.layers:
+        assert layer.name.startswith("faster_rcnn_tiny_"), layer.name
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        boxes_layer = any(part in layer.name for part in FLOAT32_PARTS)
+        assert layer.dtype_policy.name == ("float32" if boxes_layer else policy), layer.name

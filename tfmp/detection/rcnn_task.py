@@ -1,0 +1,162 @@
+"""Faster R-CNN as a tfmp task: what `python -m apps.detect --model=faster_rcnn_tiny` trains,
+through the same plan, engine and loop as RetinaNet (`train_and_evaluate(config, task=TASK)`).
+
+How it plugs into the one engine: the model's inputs are the images AND the padded ground
+truth (`{"images", "gt_boxes", "gt_classes"}`, elements `(inputs,)` with no separate labels),
+because the second stage samples its ROIs from the proposals and the ground truth inside the
+forward pass. The engine calls `model.compute_loss` as for any compiled model;
+`faster_rcnn.FasterRCNN.compute_loss` matches anchors and ROIs on the device and returns the
+four losses of `tfmp.detection.rcnn_losses`, each over a global-batch count (`global_sum`).
+Evaluation gathers the model's own float32 detections (per-class NMS inside the model) from
+every replica and worker (`Engine.predict`) and scores COCO metrics with pycocotools.
+
+XLA: the engine compiles the whole forward pass, and ROIAlign (`CropAndResize`) and NMS
+(`CombinedNonMaxSuppression`) have no XLA kernels, so `--xla=on` is refused with a message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from tfmp.classification import data as classification_data
+from tfmp.detection import boxes, data, evaluation, faster_rcnn, proposals, rcnn_losses
+from tfmp.detection.task import DetectionTask
+from tfmp.errors import UsageError
+from tfmp.training import fitting
+
+
+def model_inputs(images, gt_boxes, gt_classes) -> dict:
+    return {"images": images, "gt_boxes": gt_boxes, "gt_classes": tf.cast(gt_classes, tf.int32)}
+
+
+def training_stream(config, info, input_context, skip_examples: int) -> tf.data.Dataset:
+    """Endless shuffled, augmented `(inputs,)` batches of one input pipeline, as
+    `tfmp.detection.data.load` orders them (shuffle, repeat, shard late, skip), but carrying the
+    padded ground truth instead of anchor targets: the model matches on the device."""
+    source = data.source(config.dataset, "train", info.image_size, config.data_dir)
+    pipelines = input_context.num_input_pipelines if input_context else 1
+    batch_size = input_context.get_per_replica_batch_size(config.global_batch_size) if input_context else None
+    dataset = source.examples(None, None).shuffle(source.shuffle_buffer, seed=config.seed)
+    dataset = dataset.repeat().enumerate()  # the stream position keys the augmentation
+    if pipelines > 1:
+        dataset = dataset.shard(pipelines, input_context.input_pipeline_id)
+    dataset = dataset.skip(skip_examples)
+    seed = tf.constant(config.seed, tf.int64)
+
+    def prepare(position, item):
+        image, gt_boxes, gt_classes = source.decode(item)
+        key = tf.stack([seed, position]) if config.augment else None
+        image, gt_boxes, gt_classes, _ = data.fit_to_square(image, gt_boxes, gt_classes, info.image_size, key)
+        gt_boxes, gt_classes = data.pad_boxes(gt_boxes, gt_classes, info.max_boxes)
+        image = tf.ensure_shape(image, [info.image_size, info.image_size, 3])
+        return (model_inputs(image, gt_boxes, gt_classes),)
+
+    dataset = dataset.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
+    dataset = dataset.batch(batch_size or config.global_batch_size, drop_remainder=True)
+    options = tf.data.Options()
+    options.deterministic = True
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+
+
+@dataclasses.dataclass(frozen=True)
+class FasterRCNNTask(DetectionTask):
+    """`class_loss` "focal" | "softmax" (second stage); top-k counts None = the model's defaults."""
+
+    class_loss: str = "focal"
+    pre_nms_top_k: int | None = None
+    post_nms_top_k: int | None = None
+
+    models = faster_rcnn.DETECTORS
+
+    def build_model(self, config, plan) -> keras.Model:
+        rcnn_losses.FasterRCNNLoss(self.class_loss)  # an unknown name fails before anything is built
+        options = {"score_threshold": config.score_threshold, "max_detections": config.max_detections}
+        for name in ("pre_nms_top_k", "post_nms_top_k"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
+        with plan.strategy.scope():
+            return faster_rcnn.build_detector(
+                config.model, plan.info.image_size, plan.info.num_classes, dtype=plan.policy, **options
+            )
+
+    def compile(self, model, optimizer, plan) -> keras.Model:
+        if plan.use_xla:
+            raise UsageError(
+                f"{model.name} with XLA ({plan.xla_reason}): the engine compiles the whole forward pass, "
+                "and ROIAlign (CropAndResize) and NMS have no XLA kernel; pass --xla=off"
+            )
+        with plan.strategy.scope():
+            model.compile(optimizer=optimizer, loss=rcnn_losses.FasterRCNNLoss(self.class_loss))
+        size = plan.info.image_size
+        spec = (
+            {
+                "images": tf.TensorSpec((None, size, size, 3), tf.float32),
+                "gt_boxes": tf.TensorSpec((None, plan.info.max_boxes, 4), tf.float32),
+                "gt_classes": tf.TensorSpec((None, plan.info.max_boxes), tf.int32),
+            },
+        )
+        fitting.build_for_data(model, plan.strategy, spec)
+        return model
+
+    def inputs(self, config, plan, engine, start_step: int):
+        strategy, info = plan.strategy, plan.info
+        # data.load matches anchors for RetinaNet; the coarsest level's few anchors keep that cheap.
+        unused_anchors = boxes.generate_anchors(info.image_size, boxes.AnchorConfig(levels=(5,)))
+
+        def train_input(input_context):
+            skip = start_step * config.global_batch_size // input_context.num_input_pipelines
+            dataset = training_stream(config, info, input_context, skip)
+            return classification_data.with_threads(dataset, config.data_threads)
+
+        def eval_input(input_context):
+            dataset = data.load(
+                config.dataset,
+                "eval",
+                config.global_batch_size,
+                anchors=unused_anchors,
+                image_size=info.image_size,
+                data_dir=config.data_dir,
+                input_context=input_context,
+            )[0]
+            return dataset.map(
+                lambda image, labels, truth: (model_inputs(image, truth["boxes"], truth["classes"]), truth)
+            )
+
+        train_iterator = iter(strategy.distribute_datasets_from_function(train_input))
+        eval_dataset = strategy.distribute_datasets_from_function(eval_input) if config.evaluate else None
+
+        def evaluate():
+            outputs, (_, truth) = engine.predict(eval_dataset)
+            evaluator = evaluation.CocoEvaluator(max_detections=config.max_detections)
+            detections = {key: outputs[key] for key in ("boxes", "scores", "classes", "valid_detections")}
+            evaluator.update(truth, detections)
+            return {**evaluator.result(), "images": float(evaluator.num_images)}
+
+        policies = ["DATA" if strategy.num_replicas_in_sync > 1 else "OFF"]
+        return (lambda epoch, steps_done: train_iterator), (evaluate if eval_dataset else None), policies
+
+    def card(self, config, plan, model) -> dict:
+        info = plan.info
+        size, anchors = model.anchor_config()
+        proposals_layer = model.get_layer(f"{model.name}_proposals")
+        sampler = model.get_layer(f"{model.name}_sample_rois")
+        return {
+            "dataset": f"{config.dataset} {info.image_size}x{info.image_size}, {info.num_classes} classes, "
+            f"{info.train_examples} train / {info.eval_examples} eval",
+            "head dtype": "float32 (RPN outputs, proposals, ROIAlign, box head outputs, NMS)",
+            "output dtype": ", ".join(f"{name} {tensor.dtype}" for name, tensor in model.output.items()),
+            "loss": f"RPN BCE + Huber over the global sampled-anchor count; 2nd stage {self.class_loss} + "
+            "Huber over the global sampled-ROI count",
+            "anchors": f"{int(boxes.generate_anchors(size, anchors).shape[0]):,} (levels {anchors.levels}, "
+            f"{len(anchors.scales)} scale(s) x {len(anchors.ratios)} ratios)",
+            "proposals": f"pre-NMS top {proposals_layer.pre_nms_top_k} per level, post-NMS top "
+            f"{proposals_layer.post_nms_top_k} per image (NMS IoU {proposals.PROPOSAL_NMS_IOU}); "
+            f"{sampler.rois_per_image} ROIs per image in training",
+        }
+
+
+TASK = FasterRCNNTask()
