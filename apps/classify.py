@@ -12,6 +12,7 @@ Ends with one summary line: eval accuracy, examples/s, precision, replicas.
 from absl import flags
 
 from apps import cli, common
+from tfmp.classification.task import TASK
 from tfmp.training.run import train_and_evaluate
 
 flags.FLAGS.set_default("image_size", 32)
@@ -20,7 +21,7 @@ flags.FLAGS.set_default("image_size", 32)
 def main(argv):
     del argv
     config = common.config_from_flags()
-    train_and_evaluate(config, resolved_flags=common.resolved_flags("classify", config))
+    train_and_evaluate(config, TASK, resolved_flags=common.resolved_flags("classify", config))
 
 
 if __name__ == "__main__":

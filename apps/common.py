@@ -1,7 +1,7 @@
 """Flags shared by the training apps (classify, mnist).
 
 Flags live here and in the apps only; `config_from_flags` turns them into a plain
-`tfmp.train.TrainConfig`. Error handling is `apps.cli.run`.
+`tfmp.training.config.TrainConfig`. Error handling is `apps.cli.run`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from tfmp import optim, precision
 from tfmp.distribute import strategies as distribute
 from tfmp.distribute.launch import STARTUP_TIMEOUT_ENV
 from tfmp.errors import UsageError
-from tfmp.training.run import XLA_CHOICES, TrainConfig
+from tfmp.training.config import TrainConfig
+from tfmp.training.plan import XLA_CHOICES
 
 FLAGS = flags.FLAGS
 
@@ -98,49 +99,9 @@ flags.DEFINE_integer(
     "data_threads", 0, "tf.data's private thread pool for the input pipeline (0: the shared default)."
 )
 
-TRAIN_FLAGS = (
-    "model",
-    "dataset",
-    "image_size",
-    "data_dir",
-    "augment",
-    "cache",
-    "epochs",
-    "steps",
-    "steps_per_epoch",
-    "global_batch_size",
-    "optimizer",
-    "learning_rate",
-    "weight_decay",
-    "lr_scaling",
-    "reference_batch_size",
-    "warmup_steps",
-    "lr_decay",
-    "precision",
-    "loss_scale",
-    "strategy",
-    "cpu_replicas",
-    "xla",
-    "steps_per_execution",
-    "model_dir",
-    "keep_checkpoints",
-    "checkpoint_every",
-    "log_every",
-    "seed",
-    "startup_timeout",
-    "prune_sparsity",
-    "prune_schedule",
-    "prune_begin_step",
-    "prune_end_step",
-    "prune_every",
-    "pipeline_stages",
-    "micro_batches",
-    "pipeline_boundaries",
-    "pipeline_balance",
-    "intra_op_threads",
-    "inter_op_threads",
-    "data_threads",
-)
+# Every flag that becomes part of the run's TrainConfig (a field per flag, grouped by concern);
+# `evaluate` and `verbose` are library switches with no flag.
+TRAIN_FLAGS = tuple(name for name in TrainConfig().flat() if name in FLAGS)
 
 
 def precision_from_flags() -> str:
@@ -156,14 +117,14 @@ def config_from_flags(**overrides) -> TrainConfig:
     values["precision"] = precision_from_flags()
     values["pipeline_boundaries"] = tuple(values["pipeline_boundaries"])
     values.update(overrides)
-    return TrainConfig(**values)
+    return TrainConfig.from_flat(**values)
 
 
 def resolved_flags(app_name: str, config: TrainConfig) -> str:
     """The flags as resolved for this run, as a flagfile that reproduces it."""
     lines = [f"# resolved flags of: python -m apps.{app_name} {' '.join(sys.argv[1:])}"]
+    values = config.flat()
     for name in TRAIN_FLAGS:
-        value = getattr(config, name)
-        if value is not None:
-            lines.append(f"--{name}={value}")
+        if values[name] is not None:
+            lines.append(f"--{name}={values[name]}")
     return "\n".join(lines) + "\n"

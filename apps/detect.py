@@ -60,7 +60,7 @@ def main(argv):
         return
     threshold = DEFAULTS["score_threshold"] if FLAGS.score_threshold is None else FLAGS.score_threshold
     config = common.config_from_flags(score_threshold=threshold, max_detections=FLAGS.max_detections)
-    train_and_evaluate(config, resolved_flags=common.resolved_flags("detect", config), task=TASK)
+    train_and_evaluate(config, TASK, resolved_flags=common.resolved_flags("detect", config))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import tensorflow as tf
 from absl import flags
 
 from apps import cli, common
+from tfmp.classification.task import TASK
 from tfmp.distribute.cluster import parse_tf_config
 from tfmp.training.run import train_and_evaluate
 
@@ -43,7 +44,7 @@ def main(argv):
         # One logical device per core, as many as split the global batch evenly.
         cpu_replicas = max(n for n in range(1, (os.cpu_count() or 1) + 1) if FLAGS.global_batch_size % n == 0)
     config = common.config_from_flags(cpu_replicas=cpu_replicas, strategy=strategy)
-    train_and_evaluate(config, resolved_flags=common.resolved_flags("mnist", config))
+    train_and_evaluate(config, TASK, resolved_flags=common.resolved_flags("mnist", config))
 
 
 if __name__ == "__main__":

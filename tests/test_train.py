@@ -9,9 +9,11 @@ import pytest
 import tensorflow as tf
 
 from tfmp import models, precision
+from tfmp.classification.task import TASK
 from tfmp.errors import TrainingDiverged, UsageError
 from tfmp.training import checkpoint
-from tfmp.training.run import TrainConfig, train_and_evaluate
+from tfmp.training.config import TrainConfig
+from tfmp.training.run import train_and_evaluate
 
 
 def _config(model_dir, **overrides):
@@ -27,12 +29,13 @@ def _config(model_dir, **overrides):
         verbose=False,
     )
     values.update(overrides)
-    return TrainConfig(**values)
+    return TrainConfig.from_flat(**values)
 
 
 def test_run_writes_every_output(tmp_path):
     summary = train_and_evaluate(
-        _config(tmp_path, strategy="mirrored", precision="mixed_bfloat16", steps_per_execution=2),
+        task=TASK,
+        config=_config(tmp_path, strategy="mirrored", precision="mixed_bfloat16", steps_per_execution=2),
         resolved_flags="--model=lenet\n",
     )
     assert summary["steps"] == 6 and summary["replicas"] == 2 and summary["precision"] == "mixed_bfloat16"
@@ -64,8 +67,8 @@ def test_run_writes_every_output(tmp_path):
 
 
 def test_resume_continues_at_the_saved_step(tmp_path):
-    train_and_evaluate(_config(tmp_path, steps=3))
-    summary = train_and_evaluate(_config(tmp_path, steps=6))
+    train_and_evaluate(task=TASK, config=_config(tmp_path, steps=3))
+    summary = train_and_evaluate(task=TASK, config=_config(tmp_path, steps=6))
     assert summary["steps"] == 6
     card = json.load(open(tmp_path / "run_card.json"))
     assert card["steps"].endswith("from step 3")
@@ -74,9 +77,9 @@ def test_resume_continues_at_the_saved_step(tmp_path):
 
 
 def test_nonfinite_float32_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
-    train_and_evaluate(_config(tmp_path, steps=3, optimizer="sgd"))
+    train_and_evaluate(task=TASK, config=_config(tmp_path, steps=3, optimizer="sgd"))
     with pytest.raises(TrainingDiverged, match="non-finite at step .* float32.*last good checkpoint"):
-        train_and_evaluate(_config(tmp_path, steps=30, optimizer="sgd", learning_rate=1e30))
+        train_and_evaluate(task=TASK, config=_config(tmp_path, steps=30, optimizer="sgd", learning_rate=1e30))
     latest = tf.train.latest_checkpoint(str(tmp_path / checkpoint.SUBDIR))
     assert latest.endswith("ckpt-3")
     reader = tf.train.load_checkpoint(latest)
@@ -87,10 +90,10 @@ def test_nonfinite_float32_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("damaged", [".index", ".data-00000-of-00001"])
 def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, damaged, caplog):
-    train_and_evaluate(_config(tmp_path, steps=6))  # keeps ckpt-3 and ckpt-6
+    train_and_evaluate(task=TASK, config=_config(tmp_path, steps=6))  # keeps ckpt-3 and ckpt-6
     newest = tmp_path / checkpoint.SUBDIR / f"ckpt-6{damaged}"
     newest.write_bytes(newest.read_bytes()[: len(newest.read_bytes()) // 2])  # truncated
-    summary = train_and_evaluate(_config(tmp_path, steps=9))
+    summary = train_and_evaluate(task=TASK, config=_config(tmp_path, steps=9))
     assert summary["steps"] == 9
     card = json.load(open(tmp_path / "run_card.json"))
     assert card["steps"].endswith("from step 3")  # ckpt-6 was skipped, ckpt-3 restored
@@ -98,22 +101,22 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, damaged
 
 
 def test_no_readable_checkpoint_is_a_usage_error(tmp_path):
-    train_and_evaluate(_config(tmp_path, steps=6))
+    train_and_evaluate(task=TASK, config=_config(tmp_path, steps=6))
     for name in os.listdir(tmp_path / checkpoint.SUBDIR):
         if name.endswith(".index"):
             (tmp_path / checkpoint.SUBDIR / name).write_bytes(b"garbage")
     with pytest.raises(
         UsageError, match="no checkpoint in .* can be restored.*ckpt-6.*ckpt-3.*fresh --model_dir"
     ):
-        train_and_evaluate(_config(tmp_path, steps=9))
+        train_and_evaluate(task=TASK, config=_config(tmp_path, steps=9))
 
 
 def test_resume_with_another_global_batch_is_refused_naming_both(tmp_path):
-    train_and_evaluate(_config(tmp_path, steps=3))
+    train_and_evaluate(task=TASK, config=_config(tmp_path, steps=3))
     with pytest.raises(
         UsageError, match="trained with global batch 32, this run uses 16.*--global_batch_size=32"
     ):
-        train_and_evaluate(_config(tmp_path, steps=6, global_batch_size=16))
+        train_and_evaluate(task=TASK, config=_config(tmp_path, steps=6, global_batch_size=16))
 
 
 @pytest.mark.parametrize(
@@ -137,7 +140,7 @@ def test_resume_with_another_global_batch_is_refused_naming_both(tmp_path):
 def test_user_errors_leave_nothing_behind(tmp_path, overrides, message):
     model_dir = tmp_path / "run"
     with pytest.raises(UsageError, match=message) as error:
-        train_and_evaluate(_config(model_dir, **overrides))
+        train_and_evaluate(task=TASK, config=_config(model_dir, **overrides))
     assert "\n" not in str(error.value)
     assert not model_dir.exists()
 
@@ -148,7 +151,8 @@ def test_mixed_float16_matches_float32_accuracy(tmp_path):
     accuracy = {}
     for policy in ("float32", "mixed_float16"):
         summary = train_and_evaluate(
-            _config(
+            task=TASK,
+            config=_config(
                 tmp_path / policy,
                 model="mnist_mlp",
                 precision=policy,
@@ -157,7 +161,7 @@ def test_mixed_float16_matches_float32_accuracy(tmp_path):
                 steps_per_epoch=300,
                 steps_per_execution=50,
                 log_every=300,
-            )
+            ),
         )
         accuracy[policy] = summary["eval_accuracy"]
     assert accuracy["float32"] > 0.9
@@ -187,9 +191,9 @@ def test_pruned_run_under_mixed_float16_on_two_replicas_keeps_zeros_and_resumes(
         steps_per_epoch=4,
         log_every=4,
     )
-    first = train_and_evaluate(_config(tmp_path, steps=4, **pruned))
+    first = train_and_evaluate(task=TASK, config=_config(tmp_path, steps=4, **pruned))
     assert first["sparsity"] == pytest.approx(0.75, abs=0.01)
-    summary = train_and_evaluate(_config(tmp_path, steps=12, **pruned))  # resumes at step 4
+    summary = train_and_evaluate(task=TASK, config=_config(tmp_path, steps=12, **pruned))  # resumes at step 4
     assert summary["steps"] == 12 and summary["sparsity"] == pytest.approx(0.75, abs=0.01)
     saved = keras.models.load_model(tmp_path / "model.keras")  # stripped: plain Keras, no masks
     zeros = _kernel_zeros(saved)
@@ -228,7 +232,9 @@ def test_pruning_keeps_replicas_identical_after_momentum_steps(mirrored):
 
 
 def test_pipelined_run_reports_its_stages_and_trains(tmp_path):
-    summary = train_and_evaluate(_config(tmp_path, strategy="auto", pipeline_stages=2, micro_batches=4))
+    summary = train_and_evaluate(
+        task=TASK, config=_config(tmp_path, strategy="auto", pipeline_stages=2, micro_batches=4)
+    )
     assert summary["steps"] == 6 and summary["replicas"] == 1
     card = json.load(open(tmp_path / "run_card.json"))
     assert card["pipeline"].startswith("2 stages x 4 micro-batches") and "bubble" in card["pipeline"]
@@ -249,5 +255,5 @@ def test_pipelined_run_reports_its_stages_and_trains(tmp_path):
 )
 def test_impossible_pipelines_are_refused_before_anything_is_written(tmp_path, overrides, message):
     with pytest.raises(UsageError, match=message) as error:
-        train_and_evaluate(_config(tmp_path / "run", **{"strategy": "auto", **overrides}))
+        train_and_evaluate(task=TASK, config=_config(tmp_path / "run", **{"strategy": "auto", **overrides}))
     assert "\n" not in str(error.value) and not (tmp_path / "run").exists()

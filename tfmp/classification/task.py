@@ -1,9 +1,10 @@
 """Image classification as a tfmp task: what `apps.classify` and `apps.mnist` train.
 
-`train.train_and_evaluate(config)` runs it by default; `TASK` tells the shared plan/loop what
-is specific to classification: the model registry (`tfmp.models`), the datasets
-(`tfmp.classification.data`), compiling a builder's model (float32 softmax head, sparse cross-entropy,
-accuracy) and the padded eval pipeline whose padding rows count nowhere.
+`tfmp.training.run.train_and_evaluate(config, TASK)` runs it; `TASK` implements the
+`tfmp.training.task.Task` protocol: what is specific to classification is the model registry
+(`tfmp.models`), the datasets (`tfmp.classification.data`), compiling a builder's model (float32
+softmax head, sparse cross-entropy, accuracy) and the padded eval pipeline whose padding rows
+count nowhere.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class ClassificationTask:
     unit = "examples"
 
     def describe(self, config) -> data.DatasetInfo:
-        return data.describe(config.dataset, image_size=config.image_size, data_dir=config.data_dir)
+        return data.describe(
+            config.data.dataset, image_size=config.data.image_size, data_dir=config.data.data_dir
+        )
 
     def build_model(self, config, plan) -> keras.Model:
         with plan.strategy.scope():
@@ -56,33 +59,33 @@ class ClassificationTask:
 
         def train_input(input_context):
             # Resume: each input pipeline skips what it fed before the checkpoint.
-            skip = start_step * config.global_batch_size // input_context.num_input_pipelines
+            skip = start_step * config.data.global_batch_size // input_context.num_input_pipelines
             dataset, shard_policy = data.load(
-                config.dataset,
+                config.data.dataset,
                 "train",
-                config.global_batch_size,
-                image_size=config.image_size,
-                data_dir=config.data_dir,
+                config.data.global_batch_size,
+                image_size=config.data.image_size,
+                data_dir=config.data.data_dir,
                 input_context=input_context,
                 training=True,
-                augment=config.augment,
-                cache=config.cache,
+                augment=config.data.augment,
+                cache=config.data.cache,
                 seed=config.seed,
                 skip_examples=skip,
             )
             shard_policies.append(shard_policy)
-            return data.with_threads(dataset, config.data_threads)
+            return data.with_threads(dataset, config.data.data_threads)
 
         def eval_input(input_context):
             dataset = data.load(
-                config.dataset,
+                config.data.dataset,
                 "eval",
-                config.global_batch_size,
-                image_size=config.image_size,
-                data_dir=config.data_dir,
+                config.data.global_batch_size,
+                image_size=config.data.image_size,
+                data_dir=config.data.data_dir,
                 input_context=input_context,
                 training=False,
-                cache=config.cache,
+                cache=config.data.cache,
             )[0]
             # Eval batches are padded to full size with label -1: padded rows weigh (and count) 0.
             dataset = dataset.map(
@@ -93,7 +96,7 @@ class ClassificationTask:
                     tf.cast(labels >= 0, tf.float32),
                 )
             )
-            return data.with_threads(dataset, config.data_threads)
+            return data.with_threads(dataset, config.data.data_threads)
 
         train_iterator = iter(strategy.distribute_datasets_from_function(train_input))
         eval_dataset = strategy.distribute_datasets_from_function(eval_input) if config.evaluate else None
@@ -103,7 +106,7 @@ class ClassificationTask:
     def card(self, config, plan, model) -> dict:
         info = plan.info
         return {
-            "dataset": f"{config.dataset} {info.image_shape}, {info.num_classes} classes, "
+            "dataset": f"{config.data.dataset} {info.image_shape}, {info.num_classes} classes, "
             f"{info.train_examples} train / {info.eval_examples} eval",
             "head dtype": model.layers[-1].dtype_policy.compute_dtype,
             "output dtype": model.output.dtype,

@@ -1,5 +1,6 @@
 """Object detection as a tfmp task: what `python -m apps.detect` trains, through the same
-plan, engine and loop as classification (`train.train_and_evaluate(config, task=TASK)`).
+plan, engine and loop as classification: `tfmp.training.run.train_and_evaluate(config, TASK)`,
+`TASK` being a `tfmp.training.task.Task`.
 
 The detector (`tfmp.detection.retinanet`) is compiled with the focal and box losses, whose
 normaliser is the positive-anchor count of the *global* batch; anchors are matched in the input
@@ -62,7 +63,9 @@ class DetectionTask:
     unit = "images"
 
     def describe(self, config) -> data.DetectionInfo:
-        return data.describe(config.dataset, image_size=config.image_size, data_dir=config.data_dir)
+        return data.describe(
+            config.data.dataset, image_size=config.data.image_size, data_dir=config.data.data_dir
+        )
 
     @staticmethod
     def anchors(config, plan):
@@ -86,30 +89,30 @@ class DetectionTask:
         strategy, anchors, size = plan.strategy, self.anchors(config, plan), plan.info.image_size
 
         def train_input(input_context):
-            skip = start_step * config.global_batch_size // input_context.num_input_pipelines
+            skip = start_step * config.data.global_batch_size // input_context.num_input_pipelines
             dataset, policy = data.load(
-                config.dataset,
+                config.data.dataset,
                 "train",
-                config.global_batch_size,
+                config.data.global_batch_size,
                 anchors=anchors,
                 image_size=size,
-                data_dir=config.data_dir,
+                data_dir=config.data.data_dir,
                 input_context=input_context,
-                augment=config.augment,
+                augment=config.data.augment,
                 seed=config.seed,
                 skip_examples=skip,
             )
             shard_policies.append(policy)
-            return classification_data.with_threads(dataset, config.data_threads)
+            return classification_data.with_threads(dataset, config.data.data_threads)
 
         def eval_input(input_context):
             dataset = data.load(
-                config.dataset,
+                config.data.dataset,
                 "eval",
-                config.global_batch_size,
+                config.data.global_batch_size,
                 anchors=anchors,
                 image_size=size,
-                data_dir=config.data_dir,
+                data_dir=config.data.data_dir,
                 input_context=input_context,
             )[0]
             # Only images and ground truth travel to the gather: the anchor targets stay behind.
@@ -120,9 +123,12 @@ class DetectionTask:
 
         def evaluate():
             outputs, (_, truth) = engine.predict(eval_dataset)
-            evaluator = evaluation.CocoEvaluator(max_detections=config.max_detections)
+            evaluator = evaluation.CocoEvaluator(max_detections=config.detection.max_detections)
             evaluator.update(
-                truth, decode(outputs, anchors, size, config.score_threshold, config.max_detections)
+                truth,
+                decode(
+                    outputs, anchors, size, config.detection.score_threshold, config.detection.max_detections
+                ),
             )
             return {**evaluator.result(), "images": float(evaluator.num_images)}
 
@@ -135,7 +141,7 @@ class DetectionTask:
     def card(self, config, plan, model) -> dict:
         info = plan.info
         return {
-            "dataset": f"{config.dataset} {info.image_size}x{info.image_size}, {info.num_classes} classes, "
+            "dataset": f"{config.data.dataset} {info.image_size}x{info.image_size}, {info.num_classes} classes, "
             f"{info.train_examples} train / {info.eval_examples} eval",
             "head dtype": "float32",
             "output dtype": ", ".join(f"{name} {tensor.dtype}" for name, tensor in model.output.items()),

@@ -1,0 +1,216 @@
+"""Planning a run: everything decided from the config, and checked, before any file is written.
+
+    plan = make_plan(config, task)        # strategy, policy, batch split, steps, learning rate
+
+Order matters: thread pools and logical CPU devices must be set before TensorFlow initialises
+its runtime, and MultiWorkerMirroredStrategy must exist before any TensorFlow op runs. Every
+mistake a user can make (names, precision, strategy, batch split, model shape) is a UsageError
+here, so a bad command leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import tensorflow as tf
+
+from tfmp import optim, precision, pruning
+from tfmp.distribute import strategies as distribute
+from tfmp.distribute.launch import RUN_NAME_ENV
+from tfmp.errors import UsageError, unknown
+from tfmp.training.config import TrainConfig
+from tfmp.training.task import Task
+
+XLA_CHOICES = ("auto", "on", "off")
+
+
+def resolve_xla(xla: str) -> tuple[bool, str]:
+    """`auto` compiles on GPUs, where XLA fuses mixed-precision kernels; on CPUs oneDNN's kernels
+    are usually as fast, so auto leaves XLA off there."""
+    if xla not in XLA_CHOICES:
+        raise unknown("--xla value", xla, XLA_CHOICES)
+    if xla == "auto":
+        on = bool(tf.config.list_physical_devices("GPU"))
+        return on, f"auto -> {'on (GPU)' if on else 'off (no GPU)'}"
+    return xla == "on", xla
+
+
+def default_model_dir(config: TrainConfig) -> str:
+    """runs/<model>-<dataset>-<time>: a fresh directory per run; resume by naming an old one.
+
+    Workers started by `tfmp.launch` share the launcher's time stamp, so they agree on it.
+    """
+    dataset = "".join(c if c.isalnum() else "_" for c in config.data.dataset.split("/")[-1])
+    stamp = os.environ.get(RUN_NAME_ENV) or time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{config.model}-{dataset}-{stamp}")
+
+
+def _check_positive(**values):
+    for name, value in values.items():
+        if value is None or value < 0 or (value == 0 and name != "steps"):
+            raise UsageError(f"--{name}={value} must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything decided from the config before any file is written."""
+
+    strategy: tf.distribute.Strategy
+    topology: distribute.Topology
+    policy: str
+    policy_reason: str
+    warning: str | None
+    loss_scale: str | float | None
+    info: object  # the task's dataset description (train_examples, eval_examples, ...)
+    use_xla: bool
+    xla_reason: str
+    per_replica_batch: int
+    steps_per_epoch: int
+    total_steps: int
+    epochs: int
+    learning_rate: float
+    schedule: optim.WarmupSchedule
+    prune_schedule: pruning.ConstantSchedule | None
+
+
+def make_plan(config: TrainConfig, task: Task) -> Plan:
+    """Validates the config and decides the run; raises UsageError before anything is written."""
+    if not isinstance(task, Task):
+        raise TypeError(f"{type(task).__name__} is not a tfmp Task (see tfmp.training.task)")
+    _check_positive(
+        epochs=config.optimization.epochs,
+        steps=config.optimization.steps,
+        global_batch_size=config.data.global_batch_size,
+        steps_per_execution=config.distribution.steps_per_execution,
+        keep_checkpoints=config.checkpointing.keep_checkpoints,
+        log_every=config.checkpointing.log_every,
+    )
+    threads = {
+        "intra_op_threads": config.distribution.intra_op_threads,
+        "inter_op_threads": config.distribution.inter_op_threads,
+        "data_threads": config.data.data_threads,
+    }
+    for name, value in threads.items():
+        if value < 0:
+            raise UsageError(f"--{name}={value} must be 0 (TensorFlow's default) or positive")
+    if config.distribution.cpu_replicas < 0:
+        raise UsageError(
+            f"--cpu_replicas={config.distribution.cpu_replicas} must be 0 (no split) or a positive "
+            "number of logical CPU devices"
+        )
+    if config.model not in task.models:
+        raise unknown(task.model_kind, config.model, task.models)
+    # Thread pools and logical CPU devices can only be set before TensorFlow initialises its runtime.
+    distribute.set_threads(config.distribution.intra_op_threads, config.distribution.inter_op_threads)
+    strategy_name = _pipeline_strategy(config)
+    distribute.split_cpu(config.distribution.cpu_replicas)
+    # Next the strategy: MultiWorkerMirroredStrategy must exist before any TensorFlow op runs.
+    strategy = distribute.get_strategy(strategy_name, startup_timeout=config.distribution.startup_timeout)
+    policy_choice = precision.resolve(config.precision.policy)
+    policy = policy_choice.policy
+    loss_scale = precision.parse_loss_scale(config.precision.loss_scale)
+    info = task.describe(config)
+    use_xla, xla_reason = resolve_xla(config.distribution.xla)
+    topology = distribute.describe(strategy)
+    per_replica_batch = distribute.per_replica_batch(config.data.global_batch_size, strategy)
+    steps_per_epoch = (
+        config.optimization.steps_per_epoch or info.train_examples // config.data.global_batch_size
+    )
+    if not info.train_examples and not config.optimization.steps_per_epoch:
+        # TFDS does not know the size of an unprepared or mocked dataset: one epoch = --steps.
+        steps_per_epoch = config.optimization.steps
+        if not steps_per_epoch:
+            raise UsageError(
+                f"dataset {config.data.dataset} does not report its size; pass "
+                "--steps_per_epoch (and --epochs) or --steps"
+            )
+    if steps_per_epoch < 1:
+        raise UsageError(
+            f"global batch {config.data.global_batch_size} is larger than the "
+            f"{info.train_examples} training examples of {config.data.dataset}"
+        )
+    total_steps = config.optimization.steps or config.optimization.epochs * steps_per_epoch
+    epochs = math.ceil(total_steps / steps_per_epoch)
+    learning_rate = distribute.scale_learning_rate(
+        config.optimization.learning_rate,
+        config.data.global_batch_size,
+        config.optimization.reference_batch_size,
+        config.optimization.lr_scaling,
+    )
+    schedule = optim.schedule(
+        learning_rate, total_steps, config.optimization.warmup_steps, config.optimization.lr_decay
+    )
+    if topology.workers > 1 and not config.checkpointing.model_dir and not os.environ.get(RUN_NAME_ENV):
+        raise UsageError(
+            "multi-worker training without tfmp.launch needs an explicit --model_dir shared by "
+            "all workers (they restore from the chief's checkpoints)"
+        )
+    prune_schedule = None
+    if config.pruning.prune_sparsity:
+        # Zhu & Gupta start from a trained model: by default prune over the middle third.
+        begin = (
+            total_steps // 3 if config.pruning.prune_begin_step is None else config.pruning.prune_begin_step
+        )
+        end = (
+            max(begin, total_steps * 2 // 3)
+            if config.pruning.prune_end_step is None
+            else config.pruning.prune_end_step
+        )
+        prune_schedule = pruning.make_schedule(
+            config.pruning.prune_schedule,
+            config.pruning.prune_sparsity,
+            begin,
+            end,
+            config.pruning.prune_every,
+        )
+    return Plan(
+        strategy,
+        topology,
+        policy,
+        policy_choice.reason,
+        policy_choice.warning,
+        loss_scale,
+        info,
+        use_xla,
+        xla_reason,
+        per_replica_batch,
+        steps_per_epoch,
+        total_steps,
+        epochs,
+        learning_rate,
+        schedule,
+        prune_schedule,
+    )
+
+
+def _pipeline_strategy(config: TrainConfig) -> str:
+    """The strategy name to use: a pipeline's stages are the devices, so it runs on one worker
+    under the default strategy (`auto` resolves to it); replicas on the same devices are refused."""
+    if config.pipeline.pipeline_stages <= 1:
+        if config.pipeline.pipeline_stages < 0:
+            raise UsageError(
+                f"--pipeline_stages={config.pipeline.pipeline_stages} must be 0 (no pipeline) or >= 2"
+            )
+        return config.distribution.strategy
+    if config.distribution.strategy not in ("auto", "default"):
+        raise UsageError(
+            f"--pipeline_stages={config.pipeline.pipeline_stages} with --strategy={config.distribution.strategy}: the "
+            "pipeline's stages are the devices, so replicas cannot also use them; use "
+            "--strategy=default (or auto)"
+        )
+    if (
+        config.distribution.cpu_replicas
+        and config.distribution.cpu_replicas < config.pipeline.pipeline_stages
+    ):
+        raise UsageError(
+            f"--pipeline_stages={config.pipeline.pipeline_stages} needs {config.pipeline.pipeline_stages} devices, "
+            f"--cpu_replicas={config.distribution.cpu_replicas} makes fewer"
+        )
+    if not tf.config.list_physical_devices("GPU"):
+        distribute.split_cpu(
+            max(config.distribution.cpu_replicas, config.pipeline.pipeline_stages)
+        )  # a logical CPU per stage
+    return "default"
