@@ -5,7 +5,6 @@ ROIAlign against a NumPy reference, proposals and sampling, the model under ever
 """
 
 import math
-import types
 
 import keras
 import numpy as np
@@ -15,8 +14,9 @@ import tensorflow as tf
 from tfmp import precision
 from tfmp.detection import boxes, data, faster_rcnn, proposals, rcnn_losses, rcnn_task, roi_align
 from tfmp.errors import UsageError
+from tfmp.training.config import TrainConfig
 from tfmp.training.engine import Engine
-from tfmp.training.run import TrainConfig, train_and_evaluate
+from tfmp.training.run import train_and_evaluate
 
 SIZE, CLASSES = 64, 6
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -186,9 +186,7 @@ def _engine(strategy, policy="float32", class_loss="focal", learning_rate=0.01):
 
 
 def _batches(strategy):
-    config = types.SimpleNamespace(
-        dataset="shapes", data_dir=None, seed=0, augment=True, global_batch_size=BATCH
-    )
+    config = TrainConfig.from_flat(dataset="shapes", augment=True, global_batch_size=BATCH)
     info = data.describe("shapes", image_size=SIZE)
     return iter(
         strategy.distribute_datasets_from_function(
@@ -228,7 +226,7 @@ def test_two_replicas_equal_one_device_proposals_sampling_and_global_normalisers
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_xla_on_is_refused_with_a_message_before_anything_is_written(tmp_path, policy):
     run = tmp_path / "run"
-    config = TrainConfig(
+    config = TrainConfig.from_flat(
         model="faster_rcnn_tiny",
         image_size=SIZE,
         global_batch_size=BATCH,
@@ -240,5 +238,5 @@ def test_xla_on_is_refused_with_a_message_before_anything_is_written(tmp_path, p
         verbose=False,
     )
     with pytest.raises(UsageError, match="no XLA kernel; pass --xla=off"):
-        train_and_evaluate(config, task=rcnn_task.TASK)
+        train_and_evaluate(config, rcnn_task.TASK)
     assert not run.exists()

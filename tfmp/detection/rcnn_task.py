@@ -36,9 +36,11 @@ def training_stream(config, info, input_context, skip_examples: int) -> tf.data.
     """Endless shuffled, augmented `(inputs,)` batches of one input pipeline, as
     `tfmp.detection.data.load` orders them (shuffle, repeat, shard late, skip), but carrying the
     padded ground truth instead of anchor targets: the model matches on the device."""
-    source = data.source(config.dataset, "train", info.image_size, config.data_dir)
+    source = data.source(config.data.dataset, "train", info.image_size, config.data.data_dir)
     pipelines = input_context.num_input_pipelines if input_context else 1
-    batch_size = input_context.get_per_replica_batch_size(config.global_batch_size) if input_context else None
+    batch_size = (
+        input_context.get_per_replica_batch_size(config.data.global_batch_size) if input_context else None
+    )
     dataset = source.examples(None, None).shuffle(source.shuffle_buffer, seed=config.seed)
     dataset = dataset.repeat().enumerate()  # the stream position keys the augmentation
     if pipelines > 1:
@@ -48,14 +50,14 @@ def training_stream(config, info, input_context, skip_examples: int) -> tf.data.
 
     def prepare(position, item):
         image, gt_boxes, gt_classes = source.decode(item)
-        key = tf.stack([seed, position]) if config.augment else None
+        key = tf.stack([seed, position]) if config.data.augment else None
         image, gt_boxes, gt_classes, _ = data.fit_to_square(image, gt_boxes, gt_classes, info.image_size, key)
         gt_boxes, gt_classes = data.pad_boxes(gt_boxes, gt_classes, info.max_boxes)
         image = tf.ensure_shape(image, [info.image_size, info.image_size, 3])
         return (model_inputs(image, gt_boxes, gt_classes),)
 
     dataset = dataset.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
-    dataset = dataset.batch(batch_size or config.global_batch_size, drop_remainder=True)
+    dataset = dataset.batch(batch_size or config.data.global_batch_size, drop_remainder=True)
     options = tf.data.Options()
     options.deterministic = True
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
@@ -74,7 +76,10 @@ class FasterRCNNTask(DetectionTask):
 
     def build_model(self, config, plan) -> keras.Model:
         rcnn_losses.FasterRCNNLoss(self.class_loss)  # an unknown name fails before anything is built
-        options = {"score_threshold": config.score_threshold, "max_detections": config.max_detections}
+        options = {
+            "score_threshold": config.detection.score_threshold,
+            "max_detections": config.detection.max_detections,
+        }
         for name in ("pre_nms_top_k", "post_nms_top_k"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
@@ -108,18 +113,18 @@ class FasterRCNNTask(DetectionTask):
         unused_anchors = boxes.generate_anchors(info.image_size, boxes.AnchorConfig(levels=(5,)))
 
         def train_input(input_context):
-            skip = start_step * config.global_batch_size // input_context.num_input_pipelines
+            skip = start_step * config.data.global_batch_size // input_context.num_input_pipelines
             dataset = training_stream(config, info, input_context, skip)
-            return classification_data.with_threads(dataset, config.data_threads)
+            return classification_data.with_threads(dataset, config.data.data_threads)
 
         def eval_input(input_context):
             dataset = data.load(
-                config.dataset,
+                config.data.dataset,
                 "eval",
-                config.global_batch_size,
+                config.data.global_batch_size,
                 anchors=unused_anchors,
                 image_size=info.image_size,
-                data_dir=config.data_dir,
+                data_dir=config.data.data_dir,
                 input_context=input_context,
             )[0]
             return dataset.map(
@@ -131,7 +136,7 @@ class FasterRCNNTask(DetectionTask):
 
         def evaluate():
             outputs, (_, truth) = engine.predict(eval_dataset)
-            evaluator = evaluation.CocoEvaluator(max_detections=config.max_detections)
+            evaluator = evaluation.CocoEvaluator(max_detections=config.detection.max_detections)
             detections = {key: outputs[key] for key in ("boxes", "scores", "classes", "valid_detections")}
             evaluator.update(truth, detections)
             return {**evaluator.result(), "images": float(evaluator.num_images)}
@@ -145,7 +150,7 @@ class FasterRCNNTask(DetectionTask):
         proposals_layer = model.get_layer(f"{model.name}_proposals")
         sampler = model.get_layer(f"{model.name}_sample_rois")
         return {
-            "dataset": f"{config.dataset} {info.image_size}x{info.image_size}, {info.num_classes} classes, "
+            "dataset": f"{config.data.dataset} {info.image_size}x{info.image_size}, {info.num_classes} classes, "
             f"{info.train_examples} train / {info.eval_examples} eval",
             "head dtype": "float32 (RPN outputs, proposals, ROIAlign, box head outputs, NMS)",
             "output dtype": ", ".join(f"{name} {tensor.dtype}" for name, tensor in model.output.items()),
