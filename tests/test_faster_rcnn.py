@@ -4,12 +4,15 @@ ROIAlign against a NumPy reference, proposals and sampling, the model under ever
 (float32 boxes), 2 replicas equal to one device, the strategy x precision x XLA cells.
 """
 
+import json
 import math
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import run_python
+from PIL import Image
 
 from tfmp import precision
 from tfmp.detection import boxes, data, faster_rcnn, proposals, rcnn_losses, rcnn_task, roi_align
@@ -148,6 +151,10 @@ def test_sampled_rois_include_the_ground_truth_and_keep_the_positive_fraction():
     foreground = tf.reduce_sum(tf.cast(classes > 0, tf.float32) * weights, axis=-1).numpy()
     np.testing.assert_array_equal(foreground, np.minimum(real, 4))
     np.testing.assert_array_equal(weights.numpy().sum(-1), 8)
+    # Fewer candidates than ROIs asked for: the rest is padding of weight 0.
+    rois, weights = proposals.sample_rois(far[:, :2], tf.ones([4, 2], tf.bool), gt_boxes, gt_classes, 16, 0.5)
+    assert rois.shape == (4, 16, 4)
+    np.testing.assert_array_equal(weights.numpy().sum(-1), np.minimum(real, 8) + 2)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -160,7 +167,14 @@ def test_every_box_related_layer_and_output_is_float32_under_every_policy(policy
         outputs = model(inputs, training=training)
         for key, value in outputs.items():
             assert value.dtype == (tf.int32 if key in ("classes", "valid_detections") else tf.float32), key
-    assert 0 < int(outputs["valid_detections"][0]) <= 100
+    assert 0 < int(outputs["valid_detections"][0]) <= 100  # untrained softmax: ~1/7 per class
+    found = faster_rcnn.detect(model, images, score_threshold=0.1, max_detections=5)
+    count = found["valid_detections"].numpy()
+    assert (count >= 1).all() and (count <= 5).all() and found["boxes"].dtype == tf.float32
+    for row, kept in enumerate(count):
+        assert (found["scores"][row, :kept].numpy() >= 0.1).all()
+        assert (found["scores"][row, kept:].numpy() == 0).all()
+        assert (found["boxes"][row, :kept].numpy() >= 0).all() and (found["boxes"].numpy() <= SIZE).all()
     assert all(weight.dtype == "float32" for weight in model.weights)
     for layer in model.layers:
         assert layer.name.startswith("faster_rcnn_tiny_"), layer.name
@@ -240,3 +254,35 @@ def test_xla_on_is_refused_with_a_message_before_anything_is_written(tmp_path, p
     with pytest.raises(UsageError, match="no XLA kernel; pass --xla=off"):
         train_and_evaluate(config, rcnn_task.TASK)
     assert not run.exists()
+
+
+# ----------------------------------------------------------------------------- apps.detect
+@pytest.mark.slow
+def test_app_trains_faster_rcnn_mixed_then_predicts_float32_boxes_drawn_to_png(tmp_path):
+    run = tmp_path / "run"
+    common = [f"--image_size={SIZE}", f"--global_batch_size={BATCH}", "--warmup_steps=0"]
+    result = run_python(
+        ["-m", "apps.detect", "--model=faster_rcnn_tiny", "--mixed", "--steps=4", "--steps_per_epoch=4"]
+        + ["--rcnn_class_loss=softmax", "--pre_nms_top_k=100", "--post_nms_top_k=50", f"--model_dir={run}"]
+        + common
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = [line for line in result.stdout.splitlines() if line.startswith("tfmp summary:")][-1]
+    assert "eval mAP" in summary and "precision mixed_" in summary
+    assert "2nd stage softmax" in result.stdout and "post-NMS top 50 per image" in result.stdout
+    picture = tmp_path / "scene.png"
+    Image.fromarray((np.random.default_rng(0).random((80, 100, 3)) * 255).astype(np.uint8)).save(picture)
+    predicted = run_python(
+        ["-m", "apps.detect", f"--model_dir={run}", f"--predict={picture}", "--score_threshold=0.0"]
+        + [f"--output_dir={tmp_path / 'drawn'}"]
+    )
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    record = json.loads(predicted.stdout.strip().splitlines()[-1])
+    assert record["boxes_dtype"] == "float32" and record["scores_dtype"] == "float32"
+    # 4 steps teach the background class first: few or no scores reach the model's 0.05 yet.
+    for found in record["detections"]:
+        assert len(found["box"]) == 4 and found["score"] >= 0.05 and found["name"]
+    assert Image.open(record["png"]).size == (100, 80)  # drawn on the original image
+    refused = run_python(["-m", "apps.detect", "--model=faster_rcnn_tiny", "--xla=on"] + common)
+    assert refused.returncode != 0 and "error:" in refused.stderr and "no XLA kernel" in refused.stderr
+    assert "Traceback" not in refused.stderr

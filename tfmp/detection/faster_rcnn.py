@@ -319,3 +319,24 @@ def build_detector(
             f"detector {name!r} does not take option(s) {', '.join(rejected)}; its options: {', '.join(MODEL_OPTIONS)}"
         )
     return DETECTORS[name](image_size, num_classes, dtype=dtype, name=name, **options)
+
+
+def detect(model: keras.Model, images, score_threshold: float, max_detections: int) -> dict:
+    """Float32 detections of a trained Faster R-CNN for images [B, S, S, 3], as
+    `boxes.decode_detections` returns them: the model's own NMS output, cut to the detections
+    scoring at least `score_threshold` (they come best first) and to `max_detections`."""
+    images = tf.convert_to_tensor(images, tf.float32)
+    batch = tf.shape(images)[0]
+    no_truth = {"gt_boxes": tf.zeros([batch, 1, 4]), "gt_classes": tf.fill([batch, 1], -1)}
+    outputs = model({"images": images, **no_truth}, training=False)
+    keep = min(max_detections, int(outputs["scores"].shape[1]))
+    scores = outputs["scores"][:, :keep]
+    above = tf.reduce_sum(tf.cast(scores >= score_threshold, tf.int32), axis=-1)
+    count = tf.minimum(outputs["valid_detections"], above)
+    kept = tf.range(keep)[None, :] < count[:, None]
+    return {
+        "boxes": tf.where(kept[..., None], outputs["boxes"][:, :keep], 0.0),
+        "scores": tf.where(kept, scores, 0.0),
+        "classes": tf.where(kept, outputs["classes"][:, :keep], 0),
+        "valid_detections": count,
+    }

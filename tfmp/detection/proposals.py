@@ -138,6 +138,10 @@ def sample_rois(
     gt_boxes, gt_classes = tf.cast(gt_boxes, tf.float32), tf.cast(gt_classes, tf.int32)
     candidates = tf.concat([tf.cast(proposals, tf.float32), gt_boxes], axis=1)
     usable = tf.concat([tf.cast(valid, tf.bool), gt_classes >= 0], axis=1)
+    # Fewer candidates than ROIs to return (small top-k): unusable zero boxes fill the gap.
+    missing = tf.maximum(rois_per_image - tf.shape(candidates)[1], 0)
+    candidates = tf.pad(candidates, [[0, 0], [0, missing], [0, 0]])
+    usable = tf.pad(usable, [[0, 0], [0, missing]])
     _, best_iou, _ = _matched(candidates, gt_boxes, gt_classes)
     positive = usable & (best_iou >= foreground_iou)
     negative = usable & ~positive
