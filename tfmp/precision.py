@@ -25,6 +25,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfmp import models
 from tfmp.errors import UsageError, unknown
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -212,7 +213,7 @@ def model_compute_dtypes(model: keras.Model) -> set[str]:
     """The compute dtypes of a model's layers (a mixed_float16 model has float16 and float32)."""
     return {
         layer.dtype_policy.compute_dtype
-        for layer in model._flatten_layers(include_self=False)
+        for layer in models.all_layers(model)
         if getattr(layer, "dtype_policy", None) is not None and layer.weights
     }
 

@@ -35,6 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmp import models
 from tfmp.errors import UsageError, unknown
 
 # Layers whose `kernel` is pruned. Depthwise kernels are tiny and pruning them hurts accuracy most.
@@ -166,10 +167,10 @@ def prunable_layers(model: keras.Model, skip_layers=(), include_head: bool = Fal
     skip_layers = (skip_layers,) if isinstance(skip_layers, str) else tuple(skip_layers)
     candidates = [
         layer
-        for layer in model._flatten_layers(include_self=False)
+        for layer in models.all_layers(model)
         if isinstance(layer, PRUNABLE_LAYERS) and isinstance(getattr(layer, "kernel", None), keras.Variable)
     ]
-    names = {layer.name for layer in model._flatten_layers(include_self=False)}
+    names = {layer.name for layer in models.all_layers(model)}
     missing = sorted(set(skip_layers) - names)
     if missing:
         raise UsageError(
@@ -242,7 +243,7 @@ class Pruner:
         self.layers = prunable_layers(model, skip_layers, include_head)
         self.skipped = [
             layer.name
-            for layer in model._flatten_layers(include_self=False)
+            for layer in models.all_layers(model)
             if isinstance(layer, PRUNABLE_LAYERS) and layer not in self.layers
         ]
         self.names = _unique_names(self.layers)

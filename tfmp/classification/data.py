@@ -35,7 +35,6 @@ tf.data folds into every op seed), never on the number of replicas sharing one p
 """
 
 import dataclasses
-import difflib
 import math
 import os
 
@@ -43,19 +42,23 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp.classification import drawing
-from tfmp.errors import UsageError, unknown
+from tfmp.errors import UsageError
+from tfmp.input import spec as specs
+from tfmp.input import stream, tfds_reader
+from tfmp.input.source import Source
+from tfmp.input.stream import with_threads  # noqa: F401  (re-exported: callers use data.with_threads)
 
 SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES = 12_000, 2_000
 DIGITS_TRAIN_EXAMPLES, DIGITS_EVAL_EXAMPLES = 20_000, 2_000
 SYNTHETIC_TRAIN_EXAMPLES, SYNTHETIC_EVAL_EXAMPLES = 12_000, 2_000
-SPLITS = ("train", "eval")
+SPLITS = specs.SPLITS
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 DEFAULT_IMAGE_SIZE = {"shapes": 32, "synthetic": 32, "folder": 64}
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 1024
 TFDS_SHUFFLE_BUFFER = 10_000  # encoded records: bounded; index/path streams shuffle fully
 _CONTENT_SEED = 1_234_567  # fixes the built-in datasets' content; `seed` only orders it
 _CHOICES = ["shapes", "digits", "synthetic", "tfds:<name>", "folder:<path>"]
-_AUTOTUNE = tf.data.AUTOTUNE
+_AUTOTUNE = stream.AUTOTUNE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,52 +86,24 @@ SHAPES_CLASS_NAMES = (
 DIGITS_CLASS_NAMES = tuple(str(digit) for digit in range(10))
 
 
-@dataclasses.dataclass
-class _Source:
-    """How to read one split: a cheap per-example stream plus the function that decodes it."""
-
-    info: DatasetInfo
-    num_examples: int  # in this split (0 = unknown)
-    num_files: int  # files behind the split; FILE sharding needs at least one per pipeline
-    examples: object  # (file_shard_context | None, shuffle_seed | None) -> cheap-item Dataset
-    decode: object  # (*item) -> (float32 image, int32 label)
-    shuffle_buffer: int
-    flip_ok: bool = True  # mirrored digits are different (or no) digits
-
-
 # ----------------------------------------------------------------------------- spec handling
-def _parse(spec):
-    kind, _, arg = spec.partition(":") if isinstance(spec, str) else (repr(spec), "", "")
-    builtin = kind in ("shapes", "digits", "synthetic") and not arg
-    if builtin or (kind in ("tfds", "folder") and arg):
-        return kind, arg
-    raise unknown("dataset", spec, _CHOICES)
-
-
-def _image_size(kind, image_size):
-    if image_size is None:
-        return DEFAULT_IMAGE_SIZE.get(kind)
-    if (
-        isinstance(image_size, bool)
-        or not isinstance(image_size, int)
-        or not (MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE)
-    ):
-        raise UsageError(
-            f"bad image_size {image_size!r}; use an integer from {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}"
-        )
-    return image_size
-
-
 def describe(spec: str, image_size: int | None = None, data_dir: str | None = None) -> DatasetInfo:
     """Validates `spec` and returns its shape, classes and split sizes without loading data."""
     return _source(spec, "train", image_size, data_dir).info
 
 
-def _source(spec, split, image_size, data_dir):
-    kind, arg = _parse(spec)
-    if split not in SPLITS:
-        raise unknown("split", split, SPLITS)
-    size = _image_size(kind, image_size)
+def _source(spec, split, image_size, data_dir) -> Source:
+    kind, arg = specs.parse(
+        spec,
+        builtins=("shapes", "digits", "synthetic"),
+        with_argument=("tfds", "folder"),
+        what="dataset",
+        choices=_CHOICES,
+    )
+    specs.check_split(split)
+    size = specs.image_size(
+        image_size, default=DEFAULT_IMAGE_SIZE.get(kind), low=MIN_IMAGE_SIZE, high=MAX_IMAGE_SIZE
+    )
     if kind == "tfds":
         return _tfds_source(spec, arg, split, size, data_dir)
     if kind == "folder":
@@ -159,7 +134,7 @@ def _builtin_source(spec, kind, split, size):
             image = tf.clip_by_value(tf.image.resize(image, shape[:2], antialias=True), 0.0, 1.0)
         return image, tf.cast(index % 10, tf.int32)  # index % 10: exactly balanced classes
 
-    return _Source(
+    return Source(
         info,
         num_examples,
         0,
@@ -172,17 +147,8 @@ def _builtin_source(spec, kind, split, size):
 
 # ----------------------------------------------------------------------------- TFDS
 def _tfds_source(spec, name, split, size, data_dir):
-    import tensorflow_datasets as tfds  # slow import: only for tfds specs
-
-    try:
-        builder = tfds.builder(name, data_dir=data_dir)
-    except tfds.core.registered.DatasetNotFoundError:
-        close = difflib.get_close_matches(name, tfds.list_builders(), n=5)
-        hint = f"did you mean: {', '.join(close)}? " if close else ""
-        raise UsageError(f"unknown tfds dataset {name!r}; {hint}see tfds.list_builders()") from None
-    except (AssertionError, ValueError) as error:  # bad config or version: TFDS says which exist
-        raise UsageError(f"bad tfds dataset {name!r}: {str(error).splitlines()[0]}") from None
-    info = builder.info
+    tfds = tfds_reader.module()
+    info = tfds_reader.builder(name, data_dir).info
     image_key, label_key = info.supervised_keys if info.supervised_keys else ("image", "label")
     features = info.features
     if not (
@@ -209,24 +175,10 @@ def _tfds_source(spec, name, split, size, data_dir):
 
     def examples(file_shard_context, shuffle_seed):
         # Images stay encoded (SkipDecoding) until after shuffle/skip; see module docstring.
-        read_config = tfds.ReadConfig(input_context=file_shard_context, shuffle_seed=shuffle_seed)
-        try:
-            return tfds.load(
-                name,
-                split=tfds_split,
-                data_dir=data_dir,
-                as_supervised=True,
-                download=False,
-                read_config=read_config,
-                shuffle_files=shuffle_seed is not None,
-                decoders={image_key: tfds.decode.SkipDecoding()},
-            )
-        except AssertionError as error:  # TFDS's "could not find data in ..."
-            raise UsageError(
-                f"tfds dataset {name!r} is not prepared in data_dir {data_dir!r}; "
-                f"run `tfds build {name} --data_dir DIR` where there is internet "
-                "and pass that DIR"
-            ) from error
+        decoders = {image_key: tfds.decode.SkipDecoding()}
+        return tfds_reader.read(
+            name, tfds_split, data_dir, file_shard_context, shuffle_seed, decoders, as_supervised=True
+        )
 
     def decode(encoded, label):
         image = tf.image.convert_image_dtype(image_feature.decode_example(encoded), tf.float32)
@@ -245,7 +197,7 @@ def _tfds_source(spec, name, split, size, data_dir):
     num_examples = counts[SPLITS.index(split)]
     num_files = split_infos[SPLITS.index(split)].num_shards if splits else 0
     buffer = min(num_examples or TFDS_SHUFFLE_BUFFER, TFDS_SHUFFLE_BUFFER)
-    return _Source(info, num_examples, num_files, examples, decode, buffer)
+    return Source(info, num_examples, num_files, examples, decode, buffer)
 
 
 # ----------------------------------------------------------------------------- folders
@@ -308,7 +260,7 @@ def _folder_source(spec, path, split, size):
             return dataset
         return dataset.shard(file_shard_context.num_input_pipelines, file_shard_context.input_pipeline_id)
 
-    return _Source(info, len(chosen), len(chosen), examples, decode, max(len(chosen), 1))
+    return Source(info, len(chosen), len(chosen), examples, decode, max(len(chosen), 1))
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -335,34 +287,12 @@ def load(
     replica, so no replica or worker runs short (`Engine.evaluate` ignores the padding).
     """
     source = _source(spec, split, image_size, data_dir)
-    if (
-        isinstance(global_batch_size, bool)
-        or not isinstance(global_batch_size, int)
-        or (global_batch_size < 1)
-    ):
-        raise UsageError(f"bad global_batch_size {global_batch_size!r}; use a positive integer")
-    if not isinstance(skip_examples, int) or skip_examples < 0:
-        raise UsageError(f"bad skip_examples {skip_examples!r}; use an integer >= 0")
-    batch_size, pipelines, pipeline_id = global_batch_size, 1, 0
-    if input_context is not None:
-        try:
-            batch_size = input_context.get_per_replica_batch_size(global_batch_size)
-        except ValueError as error:
-            message = str(error).strip()
-            raise UsageError(f"{message}; pick a multiple of the replica count") from None
-        pipelines, pipeline_id = input_context.num_input_pipelines, input_context.input_pipeline_id
-
-    if pipelines == 1:
-        policy, why = "OFF", "one input pipeline reads everything"
-    elif not training:
-        policy, why = "DATA", "eval: every pipeline must run the same number of batches"
-    elif spec == "synthetic":
-        policy, why = "DATA", "each pipeline generates its own random batch"
-    elif source.num_files >= pipelines:
-        policy, why = "FILE", f"{source.num_files} files are split between pipelines"
-    else:
-        files = f"only {source.num_files} files" if source.num_files else "no files (generated)"
-        policy, why = "DATA", f"{files} for {pipelines} pipelines: each takes every n-th example"
+    specs.check_counts(global_batch_size, skip_examples)
+    batch_size, pipelines = stream.per_replica_batch(global_batch_size, input_context)
+    pipeline_id = input_context.input_pipeline_id if input_context else 0
+    policy, why = stream.shard_policy(
+        pipelines, training=training, num_files=source.num_files, per_pipeline=spec == "synthetic"
+    )
     logging.info(
         "tfmp.classification.data: %s %s split: shard policy %s for %d input pipeline(s) (%s)",
         spec,
@@ -387,75 +317,44 @@ def load(
             skip_examples=skip_examples,
             file_level=policy == "FILE" and spec.startswith("tfds:"),
         )
-    options = tf.data.Options()
-    options.deterministic = True  # parallel maps keep order: runs are reproducible
-    # tfmp shards itself (above); tf.distribute must not shard a second time.
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return dataset.with_options(options), policy
+    return stream.finish(dataset), policy
 
 
 def _pipeline(
     source, policy, input_context, batch_size, *, training, augment, cache, seed, skip_examples, file_level
 ):
-    # Two ways to split the stream between input pipelines (workers):
-    # - late (training, DATA or per-example files, no cache): every pipeline shuffles the same
-    #   cheap stream with the same seed, then takes every n-th example. Each global batch is then
-    #   exactly the one a single process would see, on any number of workers.
-    # - early (TFDS file sharding, eval, cache): each pipeline reads only its own part, shuffled
-    #   on its own; cheaper I/O and memory, different batch composition.
-    late = training and not cache and not file_level and policy != "OFF"
-    shuffle_files = training and file_level
-    dataset = source.examples(input_context if file_level else None, seed if shuffle_files else None)
-    if policy != "OFF" and not late and not file_level:
-        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-    decode = source.decode
-    if cache:  # decode in source order, then shuffle the cache with the very same buffer
-        dataset, decode = dataset.map(decode, num_parallel_calls=_AUTOTUNE).cache(), None
-    if training:
-        dataset = dataset.shuffle(source.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-        dataset = dataset.repeat()
+    # The order, sharding and resumption of `tfmp.input.stream.example_stream`; see its docstring.
+    dataset = stream.example_stream(
+        source,
+        policy,
+        input_context,
+        training=training,
+        seed=seed,
+        skip_examples=skip_examples,
+        file_level=file_level,
+        cache=source.decode_item if cache else None,
+    )
     augmenting = training and augment
-    if augmenting:  # the stream position keys the augmentation: a resumed run augments identically
-        dataset = dataset.enumerate()
-    if late:
-        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-    if training:
-        dataset = dataset.skip(skip_examples)
     seed_tensor = tf.constant(seed, tf.int64)
 
-    def prepare(*element):
-        position, item = element if augmenting else (None, element if len(element) > 1 else element[0])
-        if decode:
-            item = decode(*item) if isinstance(item, tuple) else decode(item)
-        image, label = item
-        if augmenting:
+    def prepare(position, item):
+        image, label = item if cache else source.decode_item(item)
+        if augmenting:  # the stream position keys the augmentation: a resumed run augments identically
             image = _augment(image, tf.stack([seed_tensor, position]), source.flip_ok)
         return image, label
 
     # A cached, un-augmented stream is ready as it is: no per-example op left to run.
-    if decode or augmenting:
+    if cache and not augmenting:
+        dataset = dataset.map(lambda position, item: item)
+    else:
         dataset = dataset.map(prepare, num_parallel_calls=_AUTOTUNE)
     if not training:
-        dataset = _pad_to_full_batches(dataset, source, input_context, batch_size)
+        image_shape = source.info.image_shape
+        dataset = dataset.map(lambda image, label: (tf.ensure_shape(image, image_shape), label))
+        padding = (tf.zeros(image_shape, tf.float32), tf.constant(-1, tf.int32))  # label -1: counts nowhere
+        dataset = stream.pad_to_full_batches(dataset, source.count(), padding, input_context, batch_size)
     dataset = dataset.batch(batch_size, drop_remainder=True)
     return dataset.prefetch(_AUTOTUNE)
-
-
-def _pad_to_full_batches(dataset, source, input_context, batch_size):
-    """Pads an eval shard with (zeros, -1) rows to ceil(total / pipelines) examples rounded up
-    to whole steps, so every replica of every pipeline gets the same number of full batches."""
-    pipelines, replicas_per_pipeline = _pipelines_and_replicas(input_context)
-    total = source.num_examples
-    if not total:  # size unknown to TFDS (e.g. mocked): count the cheap encoded stream once
-        total = int(source.examples(None, None).reduce(tf.constant(0, tf.int64), lambda n, *_: n + 1))
-    examples_per_step = batch_size * replicas_per_pipeline
-    steps = math.ceil(math.ceil(total / pipelines) / examples_per_step)
-    image_shape = source.info.image_shape
-    padding = tf.data.Dataset.from_tensors(
-        (tf.zeros(image_shape, tf.float32), tf.constant(-1, tf.int32))
-    ).repeat()
-    dataset = dataset.map(lambda image, label: (tf.ensure_shape(image, image_shape), label))
-    return dataset.concatenate(padding).take(steps * examples_per_step)
 
 
 def _augment(image, key, flip_ok):
@@ -483,24 +382,7 @@ def _synthetic(source, batch_size, training, seed, input_context):
     if training:
         return dataset.repeat().prefetch(_AUTOTUNE)
     # About one eval split, in whole steps of this pipeline's replicas (no padding needed).
-    pipelines, replicas_per_pipeline = _pipelines_and_replicas(input_context)
+    pipelines, replicas_per_pipeline = stream.pipelines_and_replicas(input_context)
     examples_per_step = batch_size * replicas_per_pipeline
     steps = math.ceil(math.ceil(source.num_examples / pipelines) / examples_per_step)
     return dataset.repeat(steps * replicas_per_pipeline).prefetch(_AUTOTUNE)
-
-
-def _pipelines_and_replicas(input_context):
-    """(input pipelines, replicas each pipeline feeds) of a distributed input function."""
-    if input_context is None:
-        return 1, 1
-    pipelines = input_context.num_input_pipelines
-    return pipelines, max(input_context.num_replicas_in_sync // pipelines, 1)
-
-
-def with_threads(dataset: tf.data.Dataset, threads: int) -> tf.data.Dataset:
-    """The dataset on a private tf.data thread pool of `threads` threads (0: the shared default)."""
-    if not threads:
-        return dataset
-    options = tf.data.Options()
-    options.threading.private_threadpool_size = threads
-    return dataset.with_options(options)

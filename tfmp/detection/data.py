@@ -1,5 +1,6 @@
-"""Detection input pipelines: built-in drawn scenes, COCO-format folders and TFDS, with anchors
-matched in the pipeline so the train step is static-shaped.
+"""Detection input pipelines: built-in drawn scenes, COCO-format folders and TFDS. They decode,
+resize, augment and pad the ground truth; anchors are matched on the device, in the step
+(`tfmp.detection.targets`).
 
 A dataset is named by a spec string (as in `tfmp.classification.data`):
 
@@ -15,101 +16,70 @@ A dataset is named by a spec string (as in `tfmp.classification.data`):
 Usage::
 
     info = data.describe("shapes", image_size=128)        # cheap: validates, no loading
-    anchors = boxes.generate_anchors(128, retinanet.anchor_config("retinanet_tiny"))
-    train, policy = data.load("shapes", "train", 32, anchors=anchors, augment=True)
-    evaluation, _ = data.load("shapes", "eval", 32, anchors=anchors)
+    train, policy = data.load("shapes", "train", 32, augment=True)    # (image, truth)
+    evaluation, _ = data.load("shapes", "eval", 32)                    # (image, truth)
     image, scale, original = data.read_image("photo.jpg", 128)   # for predictions
 
 Every image is made square (``image_size``): resized so its longer side fits, then padded with
-zeros at the bottom/right. Training elements are ``(image, labels)``, eval elements
-``(image, labels, truth)``:
+zeros at the bottom/right. Elements are ``(image, truth)``:
 
 * ``image`` float32 [S, S, 3] in [0, 1];
-* ``labels`` {"classes": int32 [A], "boxes": float32 [A, 5]}: the anchor targets of
-  `tfmp.detection.boxes.match` (the encoding `tfmp.detection.losses` documents);
-* ``truth`` (eval only) {"image_id": int64 (the image's index in the eval split, -1 for
-  padding), "boxes": float32 [M, 4] xyxy pixels of the square image, "classes": int32 [M] (-1 =
-  no box), "scale": float32 (original-image pixels per input pixel, to report boxes in the
-  original image), "valid": bool (False for padding rows)}; M = ``max_boxes`` (default 100;
-  4 for ``shapes``). `truth` is a third element, not part of ``labels``, because Keras requires
-  the labels' structure to match the model's outputs: for `model.evaluate`, map it away
-  (``dataset.map(lambda image, labels, truth: (image, labels))``).
+* ``truth`` {"boxes": float32 [M, 4] xyxy pixels of the square image, "classes": int32 [M]
+  (-1 on padding rows), "box_valid": bool [M] (the validity mask: False on padding rows)},
+  M = ``max_boxes`` (default 100; 4 for ``shapes``); eval elements also carry "image_id":
+  int64 (the image's index in the eval split, -1 for padding), "scale": float32 (original-image
+  pixels per input pixel, to report boxes in the original image) and "valid": bool (False for
+  padding rows).
+
+With ``anchors`` [A, 4] (`boxes.generate_anchors` for the same size) the pipeline matches them
+itself, batched (`targets.match_anchors`), for a model compiled with per-anchor labels: training
+elements are ``(image, labels)``, eval ``(image, labels, truth)``, ``labels`` {"classes": int32
+[A], "boxes": float32 [A, 5]} as `tfmp.detection.losses` documents; a padding row's anchors are
+all ignored. Without it the labels are made on the device (`losses.ground_truth_labels`).
 
 Augmentation (``augment=True``, training): scale jitter (the longer side becomes 0.75-1.25 x S),
 a random S x S crop of an enlarged image (padding of a shrunk one) and a horizontal flip, keyed
 by the stream position, boxes moved with the pixels; a box cut to less than 40% of its area (or
-under 2 pixels) is dropped. Crowd annotations are skipped (no crowd regions in eval).
+under 2 pixels) is dropped. It runs on whole batches of squared images (`augment_batch`).
+Crowd annotations are skipped (no crowd regions in eval). ``cache=True`` keeps the decoded,
+un-augmented images (8-bit drawn scenes, so cached and drawn are equal) in memory: the whole
+split, filled before the first shuffle buffer is full, so it is for eval splits and small sets
+(50,000 ``shapes`` train scenes of 128 px are ~10 GB; they are drawn per batch, cheaply, instead).
 
-Sharding, repetition, skipping and eval padding follow `tfmp.classification.data.load`: eval batches are padded
-to full batches with rows whose anchors are all ignored and whose ``valid`` is False, so every
-replica and worker runs the same number of steps and padding counts nowhere.
+Sharding, repetition, skipping and eval padding are `tfmp.input.stream`'s: eval batches are
+padded to full batches with rows whose ``valid`` is False, so every replica and worker runs the
+same number of steps and padding counts nowhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import tensorflow as tf
 from absl import logging
 
-from tfmp.detection import boxes as box_ops
-from tfmp.detection import shapes
-from tfmp.errors import UsageError, unknown
+from tfmp.detection import sources, targets
+from tfmp.detection.boxes import IGNORE
+from tfmp.detection.sources import (  # noqa: F401  (re-exported: data.DetectionInfo, data.SHAPES_*)
+    SHAPES_EVAL_EXAMPLES,
+    SHAPES_MAX_SHAPES,
+    SHAPES_TRAIN_EXAMPLES,
+    DetectionInfo,
+)
+from tfmp.errors import UsageError
+from tfmp.input import spec as specs
+from tfmp.input import stream
+from tfmp.input.source import Source
 
-SPLITS = ("train", "eval")
-SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES = 50_000, 500
-SHAPES_MAX_SHAPES = 4
+SPLITS = specs.SPLITS
 DEFAULT_IMAGE_SIZE = {"shapes": 128, "coco": 512, "tfds": 512}
 DEFAULT_MAX_BOXES = 100
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 32, 2048
 SCALE_JITTER = (0.75, 1.25)
 MIN_KEPT_AREA, MIN_BOX_SIDE = 0.4, 2.0
-_CONTENT_SEED = 7_654_321  # fixes the shapes scenes; `seed` only orders and augments them
 _CHOICES = ["shapes", "coco:<path>", "tfds:voc/2007", "tfds:coco/2017"]
-_AUTOTUNE = tf.data.AUTOTUNE
-
-
-@dataclasses.dataclass(frozen=True)
-class DetectionInfo:
-    name: str  # the spec as given
-    image_size: int  # square model input side
-    num_classes: int
-    class_names: tuple[str, ...]
-    train_examples: int  # 0 when unknown (a TFDS dataset whose split sizes TFDS doesn't know)
-    eval_examples: int
-    max_boxes: int  # ground-truth rows per eval image (more are truncated)
-
-
-@dataclasses.dataclass
-class Source:
-    """One split: a cheap stream of dict items and `decode(item) -> (image float32 [h, w, 3],
-    boxes float32 [n, 4] xyxy pixels of that image, classes int32 [n], -1 rows allowed)`."""
-
-    info: DetectionInfo
-    num_examples: int  # in this split (0 = unknown)
-    num_files: int  # files behind the split (FILE sharding needs one per pipeline)
-    examples: object  # (file_shard_context | None, shuffle_seed | None) -> Dataset of dicts
-    decode: object
-    shuffle_buffer: int
+_AUTOTUNE = stream.AUTOTUNE
 
 
 # ----------------------------------------------------------------------------- spec handling
-def _size(kind, image_size):
-    if image_size is None:
-        return DEFAULT_IMAGE_SIZE[kind]
-    if (
-        isinstance(image_size, bool)
-        or not isinstance(image_size, int)
-        or not (MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE)
-    ):
-        raise UsageError(
-            f"bad detection image_size {image_size!r}; use an integer from "
-            f"{MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE} (a multiple of 32 for RetinaNet)"
-        )
-    return image_size
-
-
 def source(
     spec: str,
     split: str,
@@ -118,18 +88,22 @@ def source(
     max_boxes: int | None = None,
 ) -> Source:
     """The `Source` of one split of `spec` (validates everything `load` would)."""
-    from tfmp.detection import sources  # COCO JSON and TFDS readers
-
-    kind, _, argument = spec.partition(":") if isinstance(spec, str) else (repr(spec), "", "")
-    if not ((kind == "shapes" and not argument) or (kind in ("coco", "tfds") and argument)):
-        raise unknown("detection dataset", spec, _CHOICES)
-    if split not in SPLITS:
-        raise unknown("split", split, SPLITS)
+    kind, argument = specs.parse(
+        spec, builtins=("shapes",), with_argument=("coco", "tfds"), what="detection dataset", choices=_CHOICES
+    )
+    specs.check_split(split)
     if max_boxes is not None and (not isinstance(max_boxes, int) or max_boxes < 1):
         raise UsageError(f"bad max_boxes {max_boxes!r}; use a positive integer")
-    size = _size(kind, image_size)
+    size = specs.image_size(
+        image_size,
+        default=DEFAULT_IMAGE_SIZE[kind],
+        low=MIN_IMAGE_SIZE,
+        high=MAX_IMAGE_SIZE,
+        what="detection image_size",
+        hint=" (a multiple of 32 for RetinaNet)",
+    )
     if kind == "shapes":
-        return _shapes_source(spec, split, size)
+        return sources.shapes_source(spec, split, size)
     if kind == "coco":
         return sources.coco_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES)
     return sources.tfds_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES, data_dir)
@@ -140,29 +114,6 @@ def describe(
 ) -> DetectionInfo:
     """Validates `spec` and returns its image size, classes and split sizes without loading."""
     return source(spec, "train", image_size, data_dir, max_boxes).info
-
-
-def _shapes_source(spec, split, size):
-    info = DetectionInfo(
-        spec,
-        size,
-        len(shapes.CLASS_NAMES),
-        shapes.CLASS_NAMES,
-        SHAPES_TRAIN_EXAMPLES,
-        SHAPES_EVAL_EXAMPLES,
-        SHAPES_MAX_SHAPES,
-    )
-    split_id = SPLITS.index(split)
-    count = (SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES)[split_id]
-
-    def decode(item):
-        key = tf.stack([tf.constant(_CONTENT_SEED + split_id, tf.int64), item["index"]])
-        return shapes.draw_scene(key, size, SHAPES_MAX_SHAPES)
-
-    def examples(*_):
-        return tf.data.Dataset.range(count).map(lambda index: {"index": index})
-
-    return Source(info, count, 0, examples, decode, count)
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -191,20 +142,55 @@ def fit_to_square(image, boxes, classes, size: int, key=None, jitter=SCALE_JITTE
     image = image[offset[0] : offset[0] + size, offset[1] : offset[1] + size]
     image = tf.image.pad_to_bounding_box(image, 0, 0, size, size)
     shift = tf.cast(tf.stack([offset[1], offset[0], offset[1], offset[0]]), tf.float32)
-    moved = tf.cast(boxes, tf.float32) * ratio - shift
+    boxes, classes = _move_boxes(tf.cast(boxes, tf.float32) * ratio - shift, classes, flip, size)
+    image = tf.where(flip, tf.reverse(image, [1]), image)
+    return tf.clip_by_value(image, 0.0, 1.0), boxes, classes, 1.0 / ratio
+
+
+def _move_boxes(moved, classes, flip, size: int):
+    """Boxes [..., M, 4] already scaled and shifted: clipped to the image, flipped with it, and
+    dropped (class -1, zeros) when less than MIN_KEPT_AREA of them or under MIN_BOX_SIDE is left."""
     clipped = tf.clip_by_value(moved, 0.0, float(size))
-    area = lambda b: (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    sides = tf.minimum(clipped[:, 2] - clipped[:, 0], clipped[:, 3] - clipped[:, 1])
+    area = lambda b: (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])  # noqa: E731
+    sides = tf.minimum(clipped[..., 2] - clipped[..., 0], clipped[..., 3] - clipped[..., 1])
     keep = (
         (classes >= 0)
         & (sides >= MIN_BOX_SIDE)
         & (area(clipped) >= MIN_KEPT_AREA * tf.maximum(area(moved), 1e-6))
     )
-    flipped = tf.stack([size - clipped[:, 2], clipped[:, 1], size - clipped[:, 0], clipped[:, 3]], 1)
-    image = tf.where(flip, tf.reverse(image, [1]), image)
-    clipped = tf.where(flip, flipped, clipped)
-    classes = tf.where(keep, tf.cast(classes, tf.int32), -1)
-    return (tf.clip_by_value(image, 0.0, 1.0), tf.where(keep[:, None], clipped, 0.0), classes, 1.0 / ratio)
+    x_min, y_min, x_max, y_max = tf.unstack(clipped, axis=-1)
+    flipped = tf.stack([size - x_max, y_min, size - x_min, y_max], axis=-1)
+    clipped = tf.where(flip[..., None, None] if flip.shape.rank else flip, flipped, clipped)
+    return tf.where(keep[..., None], clipped, 0.0), tf.where(keep, tf.cast(classes, tf.int32), -1)
+
+
+def augmentation_draws(key):
+    """The random numbers [4] of one example's augmentation (zoom, crop y, crop x, flip)."""
+    return tf.random.stateless_uniform([4], key)
+
+
+def augment_batch(images, boxes, classes, draws, jitter=SCALE_JITTER):
+    """Scale jitter, a random crop (of an enlarged image) or zero padding (bottom/right, of a
+    shrunk one) and a horizontal flip of a batch of square images [N, S, S, C], boxes moved
+    along: what `fit_to_square` does with a key, for the whole batch in one
+    `tf.image.crop_and_resize` (bilinear). `draws` [N, 4] from `augmentation_draws`."""
+    size = images.shape[1]
+    zoom = jitter[0] + (jitter[1] - jitter[0]) * draws[:, 0]
+    room = tf.maximum(tf.round(size * zoom) - size, 0.0)
+    offset = tf.minimum(tf.floor(draws[:, 1:3] * (room[:, None] + 1.0)), room[:, None])  # (y, x)
+    flip = draws[:, 3] < 0.5
+    # Output pixel i samples input pixel (i + offset + .5) / zoom - .5; crop_and_resize's
+    # window [start, end] in units of (size - 1) gives exactly that, flipped when end < start.
+    start = ((offset + 0.5) / zoom[:, None] - 0.5) / (size - 1)
+    end = start + 1.0 / zoom[:, None]
+    x_start, x_end = tf.where(flip, end[:, 1], start[:, 1]), tf.where(flip, start[:, 1], end[:, 1])
+    windows = tf.stack([start[:, 0], x_start, end[:, 0], x_end], axis=1)
+    images = tf.image.crop_and_resize(
+        images, windows, tf.range(tf.shape(images)[0]), [size, size], extrapolation_value=0.0
+    )
+    shift = tf.concat([offset[:, ::-1], offset[:, ::-1]], axis=1)[:, None, :]
+    boxes, classes = _move_boxes(boxes * zoom[:, None, None] - shift, classes, flip, size)
+    return images, boxes, classes
 
 
 def read_image(path: str, image_size: int):
@@ -238,147 +224,158 @@ def load(
     split: str,
     global_batch_size: int,
     *,
-    anchors,
+    anchors=None,
     image_size: int | None = None,
     data_dir: str | None = None,
     input_context: tf.distribute.InputContext | None = None,
     training: bool | None = None,
     augment: bool = False,
+    cache: bool = False,
     seed: int = 0,
     skip_examples: int = 0,
     max_boxes: int | None = None,
 ) -> tuple[tf.data.Dataset, str]:
     """Returns (batched dataset, shard policy "OFF" | "FILE" | "DATA"); see the module docstring.
 
-    `anchors` [A, 4] (from `boxes.generate_anchors` for the same `image_size`) are matched to
-    the boxes of every image. `training` defaults to `split == "train"`: a training stream is
-    shuffled, repeats forever and starts after `skip_examples` examples of this pipeline; an
-    eval stream is finite and padded to the same number of full batches for every replica.
-    With `input_context`, batches are per replica and each input pipeline reads its own shard.
+    `training` defaults to `split == "train"`: a training stream is shuffled, repeats forever
+    and starts after `skip_examples` examples of this pipeline; an eval stream is finite and
+    padded to the same number of full batches for every replica. With `input_context`,
+    batches are per replica and each input pipeline reads its own shard.
     """
     source_ = source(spec, split, image_size, data_dir, max_boxes)
     training = split == "train" if training is None else training
-    if (
-        isinstance(global_batch_size, bool)
-        or not isinstance(global_batch_size, int)
-        or (global_batch_size < 1)
-    ):
-        raise UsageError(f"bad global_batch_size {global_batch_size!r}; use a positive integer")
-    if not isinstance(skip_examples, int) or skip_examples < 0:
-        raise UsageError(f"bad skip_examples {skip_examples!r}; use an integer >= 0")
-    anchors = tf.convert_to_tensor(anchors, tf.float32)
-    if anchors.shape.rank != 2 or anchors.shape[-1] != 4:
-        raise UsageError(
-            f"bad anchors of shape {anchors.shape}; pass boxes.generate_anchors("
-            f"{source_.info.image_size}, config) for image_size "
-            f"{source_.info.image_size}"
-        )
-    batch_size, pipelines = global_batch_size, 1
-    if input_context is not None:
-        try:
-            batch_size = input_context.get_per_replica_batch_size(global_batch_size)
-        except ValueError as error:
-            raise UsageError(f"{str(error).strip()}; pick a multiple of the replica count") from None
-        pipelines = input_context.num_input_pipelines
-    if pipelines == 1:
-        policy = "OFF"
-    elif not training or source_.num_files < pipelines or not spec.startswith("tfds:"):
-        policy = "DATA"  # eval, generated data, or files read one per example: split examples
-    else:
-        policy = "FILE"
+    specs.check_counts(global_batch_size, skip_examples)
+    if anchors is not None:
+        anchors = tf.convert_to_tensor(anchors, tf.float32)
+        if anchors.shape.rank != 2 or anchors.shape[-1] != 4:
+            size = source_.info.image_size
+            raise UsageError(
+                f"bad anchors of shape {anchors.shape}; pass boxes.generate_anchors({size}, config) "
+                f"for image_size {size}"
+            )
+    batch_size, pipelines = stream.per_replica_batch(global_batch_size, input_context)
+    policy, why = stream.shard_policy(pipelines, training=training, num_files=source_.num_files)
     logging.info(
-        "tfmp.detection.data: %s %s split: shard policy %s for %d input pipeline(s)",
+        "tfmp.detection.data: %s %s split: shard policy %s for %d input pipeline(s) (%s)",
         spec,
         split,
         policy,
         pipelines,
+        why,
     )
-    dataset = _pipeline(
+    dataset = stream.example_stream(
         source_,
         policy,
         input_context,
-        batch_size,
-        anchors,
         training=training,
-        augment=augment,
         seed=seed,
         skip_examples=skip_examples,
+        file_level=policy == "FILE" and spec.startswith("tfds:"),
+        cache=_decoder(source_) if cache else None,
     )
-    options = tf.data.Options()
-    options.deterministic = True  # parallel maps keep order: runs are reproducible
-    # Sharded here (above); tf.distribute must not shard a second time.
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return dataset.with_options(options), policy
-
-
-def _pipeline(source_, policy, input_context, batch_size, anchors, *, training, augment, seed, skip_examples):
-    # As tfmp.classification.data: a training stream without file sharding shards late (every pipeline shuffles
-    # the same cheap stream, then takes every n-th item), so a global batch is the same on any
-    # number of workers; eval shards early, after numbering the images (their ids).
-    file_level = policy == "FILE"
-    late = training and policy == "DATA"
-    dataset = source_.examples(
-        input_context if file_level else None, seed if training and file_level else None
-    )
-    if not training:
-        dataset = dataset.enumerate()
-        if policy != "OFF":
-            dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+    if training:
+        dataset = _training_batches(dataset, source_, batch_size, seed, augment, cached=cache)
     else:
-        dataset = dataset.shuffle(source_.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-        dataset = dataset.repeat().enumerate()  # the stream position keys the augmentation
-        if late:
-            dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-        dataset = dataset.skip(skip_examples)
+        dataset = _eval_batches(dataset, source_, batch_size, input_context, cached=cache)
+    if anchors is not None:
+        dataset = dataset.map(lambda image, truth: _with_anchor_labels(image, truth, anchors, training))
+    return stream.finish(dataset.prefetch(_AUTOTUNE)), policy
+
+
+def _decoder(source_):
+    """item -> one square example (image, boxes [M, 4], classes [M], scale), un-augmented."""
     size, max_boxes = source_.info.image_size, source_.info.max_boxes
-    seed_tensor = tf.constant(seed, tf.int64)
+    if source_.decode_batch is not None:  # a drawn source: draw a batch of one
 
-    def prepare(position, item):
-        image, boxes, classes = source_.decode(item)
-        key = tf.stack([seed_tensor, position]) if training and augment else None
-        image, boxes, classes, scale = fit_to_square(image, boxes, classes, size, key)
+        def draw_one(item):
+            drawn = tf.nest.map_structure(lambda value: value[None], source_.decode_item(item))
+            images, boxes, classes = source_.decode_batch(drawn)
+            return images[0], boxes[0], classes[0], tf.constant(1.0)
+
+        return draw_one
+
+    def decode(item):
+        image, boxes, classes = source_.decode_item(item)
+        image, boxes, classes, scale = fit_to_square(image, boxes, classes, size)
         boxes, classes = pad_boxes(boxes, classes, max_boxes)
-        class_targets, box_targets = box_ops.match(anchors, boxes, classes)
-        image = tf.ensure_shape(image, [size, size, 3])
-        labels = {"classes": class_targets, "boxes": box_targets}
-        if training:
-            return image, labels
-        truth = {
-            "image_id": position,
-            "boxes": boxes,
-            "classes": classes,
-            "scale": tf.cast(scale, tf.float32),
-            "valid": tf.constant(True),
-        }
-        return image, labels, truth
+        return tf.ensure_shape(image, [size, size, 3]), boxes, classes, tf.cast(scale, tf.float32)
 
-    dataset = dataset.map(prepare, num_parallel_calls=_AUTOTUNE)
-    if not training:
-        dataset = _pad_to_full_batches(dataset, source_, input_context, batch_size, anchors)
-    return dataset.batch(batch_size, drop_remainder=True).prefetch(_AUTOTUNE)
+    return decode
 
 
-def _pad_to_full_batches(dataset, source_, input_context, batch_size, anchors):
-    """Pads an eval shard with rows that count nowhere (all anchors ignored, no boxes, valid
-    False) to ceil(total / pipelines) examples rounded up to whole steps of its replicas."""
-    pipelines = input_context.num_input_pipelines if input_context else 1
-    replicas = max(input_context.num_replicas_in_sync // pipelines, 1) if input_context else 1
-    total = source_.num_examples
-    if not total:  # unknown to TFDS (e.g. mocked): count the cheap stream once
-        total = int(source_.examples(None, None).reduce(tf.constant(0, tf.int64), lambda count, _: count + 1))
-    examples_per_step = batch_size * replicas
-    steps = math.ceil(math.ceil(total / pipelines) / examples_per_step)
-    size, max_boxes, num_anchors = (source_.info.image_size, source_.info.max_boxes, anchors.shape[0])
+def _square_batches(dataset, source_, batch_size, cached, drop_remainder):
+    """Batches of (carried, (images, boxes, classes, scales)) from (carried, item) pairs: drawn
+    sources decode per example only their random numbers and draw per batch."""
+    if cached:
+        return dataset.batch(batch_size, drop_remainder=drop_remainder)
+    if source_.decode_batch is None:
+        decode = _decoder(source_)
+        dataset = dataset.map(lambda carried, item: (carried, decode(item)), num_parallel_calls=_AUTOTUNE)
+        return dataset.batch(batch_size, drop_remainder=drop_remainder)
+
+    def draw(carried, drawn):
+        images, boxes, classes = source_.decode_batch(drawn)
+        return carried, (images, boxes, classes, tf.ones_like(boxes[:, 0, 0]))
+
+    dataset = dataset.map(
+        lambda carried, item: (carried, source_.decode_item(item)), num_parallel_calls=_AUTOTUNE
+    )
+    dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
+    return dataset.map(draw, num_parallel_calls=_AUTOTUNE)
+
+
+def _training_batches(dataset, source_, batch_size, seed, augment, cached):
+    seed_tensor = tf.constant(seed, tf.int64)
+    # The stream position keys the augmentation: a resumed run augments identically.
+    dataset = dataset.map(
+        lambda position, item: (augmentation_draws(tf.stack([seed_tensor, position])), item)
+    )
+    dataset = _square_batches(dataset, source_, batch_size, cached, drop_remainder=True)
+
+    def finish(draws, example):
+        images, boxes, classes, _ = example
+        if augment:
+            images, boxes, classes = augment_batch(images, boxes, classes, draws)
+        return images, {"boxes": boxes, "classes": classes, "box_valid": classes >= 0}
+
+    return dataset.map(finish, num_parallel_calls=_AUTOTUNE)
+
+
+def _eval_batches(dataset, source_, batch_size, input_context, cached):
+    dataset = _square_batches(dataset, source_, batch_size, cached, drop_remainder=False).unbatch()
+
+    def element(position, example):
+        image, boxes, classes, scale = example
+        truth = {"boxes": boxes, "classes": classes, "box_valid": classes >= 0}
+        return image, {**truth, "image_id": position, "scale": scale, "valid": tf.constant(True)}
+
+    dataset = dataset.map(element)
+    size, max_boxes = source_.info.image_size, source_.info.max_boxes
     padding = (
         tf.zeros([size, size, 3]),
-        {"classes": tf.fill([num_anchors], box_ops.IGNORE), "boxes": tf.zeros([num_anchors, 5])},
         {
-            "image_id": tf.constant(-1, tf.int64),
             "boxes": tf.zeros([max_boxes, 4]),
             "classes": tf.fill([max_boxes], -1),
+            "box_valid": tf.zeros([max_boxes], tf.bool),
+            "image_id": tf.constant(-1, tf.int64),
             "scale": tf.constant(1.0),
             "valid": tf.constant(False),
         },
     )
-    padding = tf.data.Dataset.from_tensors(padding).repeat()
-    return dataset.concatenate(padding).take(steps * examples_per_step)
+    dataset = stream.pad_to_full_batches(dataset, source_.count(), padding, input_context, batch_size)
+    return dataset.batch(batch_size, drop_remainder=True)
+
+
+def _with_anchor_labels(image, truth, anchors, training):
+    """Per-anchor labels matched in the pipeline (a batch at a time); padding rows ignore all."""
+    labels = targets.loss_labels(
+        targets.match_anchors(anchors, truth["boxes"], truth["classes"], truth["box_valid"])
+    )
+    if training:
+        return image, labels
+    real = truth["valid"][:, None]
+    labels = {
+        "classes": tf.where(real, labels["classes"], IGNORE),
+        "boxes": tf.where(real[..., None], labels["boxes"], 0.0),
+    }
+    return image, labels, truth

@@ -1,18 +1,23 @@
-"""Readers of real detection data for `tfmp.detection.data`: COCO-format JSON and TFDS.
+"""The detection datasets `tfmp.detection.data` reads: built-in scenes, COCO-format JSON, TFDS.
 
+    source = shapes_source("shapes", "train", 128)
     source = coco_source("coco:/data/coco", "/data/coco", "train", 512, max_boxes=100)
     source = tfds_source("tfds:voc/2007", "voc/2007", "eval", 512, 100, data_dir="/data/tfds")
+    source.info                # DetectionInfo: image size, classes, split sizes
 
-Both return a `tfmp.detection.data.Source`: a cheap stream of dict items (a file path and its
-boxes, or a still-encoded TFDS record) plus the decoder that turns one into (float32 image,
-xyxy pixel boxes, int32 classes). COCO category ids (any integers) become classes 0..K-1 in
-ascending id order, named by the categories' "name". Crowd annotations are skipped; an image
-without boxes stays (a pure negative). Bad annotation files raise `UsageError` naming the
-file, the image or annotation, and the fix.
+Each returns a `tfmp.input.source.Source`: a cheap stream of dict items (an index, a file path
+and its boxes, or a still-encoded TFDS record) plus the decoder that turns one into (float32
+image, xyxy pixel boxes, int32 classes). The `shapes` source decodes in two steps instead: per
+example its random numbers, per batch the drawing (`Source.decode_batch`, see
+`tfmp.detection.shapes`), already square with `max_boxes` rows. COCO category ids (any
+integers) become classes 0..K-1 in ascending id order, named by the categories' "name".
+Crowd annotations are skipped; an image without boxes stays (a pure negative). Bad annotation
+files raise `UsageError` naming the file, the image or annotation, and the fix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -20,13 +25,62 @@ import numpy as np
 import tensorflow as tf
 from keras.utils import bounding_boxes
 
+from tfmp.detection import shapes
 from tfmp.errors import UsageError
+from tfmp.input import tfds_reader
+from tfmp.input.source import Source
 
 COCO_SPLITS = {"train": ("train2017", "train"), "eval": ("val2017", "val")}
 HOLDOUT_EVERY = 10  # a single annotation file: every 10th image is the eval split
 # Train / eval splits of known TFDS detection datasets (VOC's test split is labelled; COCO's is not).
 TFDS_SPLITS = {"voc": ("train+validation", "test"), "coco": ("train", "validation")}
 TFDS_SHUFFLE_BUFFER = 10_000
+SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES = 50_000, 500
+SHAPES_MAX_SHAPES = 4
+_CONTENT_SEED = 7_654_321  # fixes the shapes scenes; `seed` only orders and augments them
+
+
+@dataclasses.dataclass(frozen=True)
+class DetectionInfo:
+    name: str  # the spec as given
+    image_size: int  # square model input side
+    num_classes: int
+    class_names: tuple[str, ...]
+    train_examples: int  # 0 when unknown (a TFDS dataset whose split sizes TFDS doesn't know)
+    eval_examples: int
+    max_boxes: int  # ground-truth rows per image (more are truncated)
+
+
+def shapes_source(spec, split, size) -> Source:
+    """The built-in `shapes` scenes of one split, keyed by (split, index)."""
+    info = DetectionInfo(
+        spec,
+        size,
+        len(shapes.CLASS_NAMES),
+        shapes.CLASS_NAMES,
+        SHAPES_TRAIN_EXAMPLES,
+        SHAPES_EVAL_EXAMPLES,
+        SHAPES_MAX_SHAPES,
+    )
+    split_id = ("train", "eval").index(split)
+    count = (SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES)[split_id]
+
+    def randomness(item):
+        key = tf.stack([tf.constant(_CONTENT_SEED + split_id, tf.int64), item["index"]])
+        return shapes.scene_randomness(key, size, SHAPES_MAX_SHAPES)
+
+    def examples(*_):
+        return tf.data.Dataset.range(count).map(lambda index: {"index": index})
+
+    return Source(
+        info,
+        count,
+        0,
+        examples,
+        randomness,
+        count,
+        decode_batch=lambda drawn: shapes.render_scenes(drawn, size, SHAPES_MAX_SHAPES),
+    )
 
 
 def _coco_files(path):
@@ -115,8 +169,6 @@ def _read_coco(annotation_file, image_folder):
 
 def coco_source(spec, path, split, size, max_boxes):
     """A `coco:PATH` split (see the module docstring of `tfmp.detection.data`)."""
-    from tfmp.detection.data import DetectionInfo, Source
-
     files, single_file = _coco_files(path)
     class_names, train = _read_coco(*files["train"])
     if single_file:
@@ -163,18 +215,8 @@ def coco_source(spec, path, split, size, max_boxes):
 
 def tfds_source(spec, name, split, size, max_boxes, data_dir):
     """A `tfds:NAME` split: a prepared TFDS dataset with `objects/bbox` and `objects/label`."""
-    import tensorflow_datasets as tfds  # slow import: only for tfds specs
-
-    from tfmp.detection.data import DetectionInfo, Source
-
-    try:
-        builder = tfds.builder(name, data_dir=data_dir)
-    except tfds.core.registered.DatasetNotFoundError:
-        raise UsageError(
-            f"unknown tfds dataset {name!r}; use e.g. voc/2007 or coco/2017 (see tfds.list_builders())"
-        ) from None
-    except (AssertionError, ValueError) as error:  # bad config or version: TFDS says which exist
-        raise UsageError(f"bad tfds dataset {name!r}: {str(error).splitlines()[0]}") from None
+    tfds = tfds_reader.module()
+    builder = tfds_reader.builder(name, data_dir, example="voc/2007 or coco/2017")
     features = builder.info.features
     objects = features["objects"] if "objects" in features.keys() else None
     if not (
@@ -210,24 +252,9 @@ def tfds_source(spec, name, split, size, max_boxes, data_dir):
     crowd = "is_crowd" in objects.feature.keys()
 
     def examples(file_shard_context, shuffle_seed):
-        # Images stay encoded until after shuffle/skip (as tfmp.classification.data): resuming decodes nothing.
-        read_config = tfds.ReadConfig(input_context=file_shard_context, shuffle_seed=shuffle_seed)
-        try:
-            return tfds.load(
-                name,
-                split=tfds_split,
-                data_dir=data_dir,
-                download=False,
-                read_config=read_config,
-                shuffle_files=shuffle_seed is not None,
-                decoders={"image": tfds.decode.SkipDecoding()},
-            )
-        except AssertionError as error:  # TFDS's "could not find data in ..."
-            raise UsageError(
-                f"tfds dataset {name!r} is not prepared in data_dir {data_dir!r}; "
-                f"run `tfds build {name} --data_dir DIR` where there is internet "
-                "and pass that DIR"
-            ) from error
+        # Images stay encoded until after shuffle/skip: resuming decodes nothing.
+        decoders = {"image": tfds.decode.SkipDecoding()}
+        return tfds_reader.read(name, tfds_split, data_dir, file_shard_context, shuffle_seed, decoders)
 
     def decode(item):
         image = tf.image.convert_image_dtype(image_feature.decode_example(item["image"]), tf.float32)

@@ -23,6 +23,7 @@ import time
 import tensorflow as tf
 from absl import logging
 
+from tfmp import compat
 from tfmp.distribute.cluster import ClusterConfig, parse_tf_config, rendezvous
 from tfmp.errors import UsageError, unknown
 
@@ -232,8 +233,6 @@ def barrier(
     """
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return
-    from tensorflow.python.eager import context  # the coordination service's barrier
-
-    context.context().wait_at_barrier(f"tfmp_barrier_{next(_barriers)}", int(timeout_seconds * 1000))
+    compat.wait_at_barrier(f"tfmp_barrier_{next(_barriers)}", int(timeout_seconds * 1000))
     if describe(strategy).is_chief:
         time.sleep(leader_grace_seconds)

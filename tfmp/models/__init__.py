@@ -30,6 +30,7 @@ import math
 
 import keras
 
+from tfmp import compat
 from tfmp.errors import UsageError, unknown
 from tfmp.models.cnn import lenet, seed_cnn
 from tfmp.models.mlp import mnist_mlp
@@ -43,6 +44,17 @@ MODELS = {
     "resnet56": functools.partial(resnet_cifar, depth=56),
     "resnet50": resnet50,
 }
+
+
+def all_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """Every layer inside `model`, nested models' layers included (depth first, each once)."""
+    found = []
+    for layer in model.layers:
+        if layer not in found:
+            found.append(layer)
+        if isinstance(layer, keras.Model):
+            found += [inner for inner in all_layers(layer) if inner not in found]
+    return found
 
 
 def check_dtype_policy(dtype: str | None) -> None:
@@ -121,11 +133,5 @@ def count_flops(model: keras.Model, batch_size: int = 1) -> int:
 
 def _outputs_in(model: keras.Model, layer) -> list:
     """The layer's output tensor of each of its calls inside `model` (Sequential: its one call)."""
-    own_nodes = getattr(model, "_nodes", None)
-    if not own_nodes:
-        return [layer.output]
-    return [
-        node.outputs[0]
-        for index, node in enumerate(layer._inbound_nodes)
-        if f"{id(layer)}_ib-{index}" in own_nodes
-    ]
+    calls = compat.calls_in(model, layer)
+    return [layer.output] if calls is None else [node.outputs[0] for node in calls]

@@ -35,7 +35,7 @@ import types
 import keras
 import tensorflow as tf
 
-from tfmp import models
+from tfmp import compat, models
 from tfmp.errors import UsageError, unknown
 from tfmp.pipeline.step import forward_fn, gradients_fn  # noqa: F401  (re-exported API)
 
@@ -125,21 +125,17 @@ def stage_devices(stages: int) -> list[str]:
 def _graph(model: keras.Model):
     """(functional model, its layers in topological order, each layer's input tensor ids and
     output tensor ids, model input ids, model output ids); a Sequential's inner functional."""
-    functional = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
-    if functional is None or not hasattr(functional, "_nodes"):
+    functional = compat.functional_graph(model)
+    if functional is None:
         raise UsageError(
             f"model {model.name!r} is not a functional or built Sequential model; a pipeline "
             "splits a layer graph (build the Sequential with keras.Input first)"
         )
     layers, inputs, outputs = [], [], []
-    for layer in functional._operations:
+    for layer in functional.operations:
         if isinstance(layer, keras.layers.InputLayer):
             continue
-        nodes = [
-            node
-            for index, node in enumerate(layer._inbound_nodes)
-            if f"{id(layer)}_ib-{index}" in functional._nodes
-        ]
+        nodes = compat.calls_in(functional, layer)
         if len(nodes) != 1:
             raise UsageError(
                 f"layer {layer.name!r} is called {len(nodes)} times in model {model.name!r}; "
@@ -326,8 +322,8 @@ def place(model: keras.Model, plan: Plan) -> keras.Model:
     for stage in plan.stages:
         for name in stage.layers:
             for variable in model.get_layer(name).variables:
-                if getattr(variable, "_value", None) is None:
+                if not compat.is_created(variable):
                     raise UsageError(f"variable {variable.path} is not built yet; build the model first")
                 with tf.init_scope(), tf.device(stage.device):
-                    variable._initialize(tf.identity(variable._value.read_value()))
+                    compat.recreate_on_current_device(variable)
     return model

@@ -33,7 +33,6 @@ import dataclasses
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.losses import loss as keras_loss  # Keras' own (un)scaling for tf.distribute
 
 from tfmp.errors import UsageError
 
@@ -93,6 +92,7 @@ class Engine:
             )
         self.strategy = strategy
         self.model = model
+        self.loss_tracker = _loss_tracker(model)
         self.optimizer = optimizer or model.optimizer
         self.xla = xla
         with strategy.scope():
@@ -125,9 +125,11 @@ class Engine:
 
     def _track(self, loss, rows, finite, x, y, y_pred, sample_weight):
         """Keras' loss tracker (weighted by real rows; skipped steps count nowhere) and metrics."""
-        unscaled = keras_loss.unscale_loss_for_distribution(tf.cast(loss, tf.float32))
+        # compute_loss divided by the replica count (so summed gradients are the global ones);
+        # the tracker shows the replica's own mean loss, as Keras' train_step does.
+        unscaled = tf.cast(loss, tf.float32) * self.strategy.num_replicas_in_sync
         rows = tf.cast(rows, tf.float32)
-        self.model._loss_tracker.update_state(
+        self.loss_tracker.update_state(
             tf.where(finite, unscaled, 0.0), sample_weight=tf.where(finite, rows, 0.0)
         )
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -255,3 +257,11 @@ class Engine:
             lambda *parts: np.concatenate([p.numpy() for p in parts]), *batches
         )
         return concatenated
+
+
+def _loss_tracker(model: keras.Model) -> keras.metrics.Metric:
+    """The compiled model's "loss" mean (the first of `model.metrics` once compiled)."""
+    for metric in model.metrics:
+        if isinstance(metric, keras.metrics.Mean) and metric.name == "loss":
+            return metric
+    raise UsageError(f"model {model.name!r} has no compiled loss tracker; compile it with a loss")

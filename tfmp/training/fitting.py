@@ -35,7 +35,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import precision
+from tfmp import compat, precision
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 from tfmp.training.checkpoint import Checkpoints
@@ -118,7 +118,7 @@ def build_for_data(model: keras.Model, strategy, element_spec) -> None:
     """Builds the model, compiled loss and metrics for this data; shape mismatches are user errors."""
     try:
         with strategy.scope():
-            model._symbolic_build(data_batch=element_spec)
+            compat.symbolic_build(model, element_spec)
     except (ValueError, TypeError, RuntimeError) as error:
         first_line = (str(error).strip().splitlines() or [""])[0][:300]
         raise UsageError(

@@ -1,0 +1,75 @@
+"""tfmp.compat: every private Keras/TF symbol tfmp relies on still exists and still behaves.
+
+When a Keras or TensorFlow upgrade removes or changes one, the failing test names the symbol, so
+the fix starts in tfmp/compat.py (and setup.cfg's Keras pin moves only once these pass).
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import context as eager_context  # the symbol under test
+
+from tfmp import compat
+
+
+def _shared_dense_model():
+    """A functional model calling one Dense(3) layer twice."""
+    dense = keras.layers.Dense(3, name="shared")
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, name="first")(inputs)
+    return keras.Model(inputs, dense(keras.layers.Dense(3)(dense(hidden)))), dense
+
+
+def _require(owner, symbol: str):
+    assert hasattr(owner, symbol), (
+        f"{type(owner).__name__}.{symbol} is gone in Keras {keras.__version__}: update tfmp/compat.py"
+    )
+
+
+def test_symbolic_build_builds_loss_and_metrics_without_computing():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse", metrics=["mae"])
+    _require(model, "_symbolic_build")
+    spec = (tf.TensorSpec((None, 4), tf.float32), tf.TensorSpec((None, 2), tf.float32))
+    compat.symbolic_build(model, spec)
+    assert model.built
+    variables = [variable for metric in model.metrics for variable in metric.variables]
+    assert len(variables) >= 4, "the loss tracker's and the compiled mae's total and count"
+    assert all(float(np.sum(variable.numpy())) == 0.0 for variable in variables), "nothing was computed"
+
+
+def test_calls_in_counts_each_call_of_a_shared_layer_in_this_model_only():
+    model, dense = _shared_dense_model()
+    _require(dense, "_inbound_nodes")
+    _require(model, "_nodes")
+    extra = keras.Input((3,))
+    keras.Model(extra, dense(extra))  # a third call, in another model
+    calls = compat.calls_in(model, dense)
+    assert len(calls) == 2, "Functional._nodes / Layer._inbound_nodes / the '<id>_ib-<index>' key changed"
+    assert [tuple(node.output_tensors[0].shape) for node in calls] == [(None, 3), (None, 3)]
+    assert compat.calls_in(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), dense) is None
+
+
+def test_functional_graph_of_a_sequential():
+    sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")])
+    _require(sequential, "_functional")
+    graph = compat.functional_graph(sequential)
+    assert graph is not None and [op.name for op in graph.operations][-1] == "d"
+    assert compat.functional_graph(keras.Sequential([keras.layers.Dense(2)])) is None  # not built
+
+
+def test_variable_is_recreated_on_the_current_device_with_its_value():
+    variable = keras.Variable(np.arange(3, dtype=np.float32))
+    _require(variable, "_value")
+    _require(variable, "_initialize")
+    assert compat.is_created(variable)
+    with tf.init_scope(), tf.device("/CPU:0"):
+        compat.recreate_on_current_device(variable)
+    np.testing.assert_array_equal(variable.numpy(), [0, 1, 2])
+    assert "CPU:0" in variable.value.device
+
+
+def test_the_coordination_barrier_exists():
+    assert hasattr(eager_context.context(), "wait_at_barrier"), (
+        "tensorflow.python.eager.context.Context.wait_at_barrier is gone: update tfmp/compat.py"
+    )

@@ -1,0 +1,67 @@
+"""Every private Keras / TensorFlow symbol tfmp uses, each behind one small named function.
+
+tfmp uses public APIs wherever one exists. What remains has no public equivalent in Keras 3.15 /
+TensorFlow 2.21; keeping it here means a Keras or TF upgrade breaks one module, and
+`tests/test_compat.py` names the symbol that went away. `setup.cfg` pins Keras to the minor
+versions that test passes on.
+
+    symbol                                  used for
+    Model._symbolic_build                   building a compiled model's loss and metrics for a
+                                            data spec without computing anything (tfmp.fit)
+    Sequential._functional                  the layer graph inside a built Sequential (pipeline)
+    Functional._nodes, Layer._inbound_nodes,  which calls of a (shared) layer belong to a given
+      the "<id>_ib-<index>" node key          functional model (FLOP counts, pipeline cuts)
+    Variable._value, Variable._initialize   re-creating a variable on a pipeline stage's device
+    tensorflow.python.eager.context         the coordination service's barrier (multi-worker)
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from tensorflow.python.eager import context as eager_context
+
+
+def symbolic_build(model: keras.Model, data_spec) -> None:
+    """Builds `model`, its compiled loss and its metrics for batches of `data_spec` (symbolic).
+
+    Keras' `fit` does this on its first batch; calling the model on real data would compute and,
+    for the compiled metrics, change state.
+    """
+    model._symbolic_build(data_batch=data_spec)
+
+
+def functional_graph(model: keras.Model):
+    """The functional model whose operations make up `model` (a built Sequential's inner one),
+    or None when `model` is not a built layer graph."""
+    functional = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
+    if functional is None or not hasattr(functional, "_nodes"):
+        return None
+    return functional
+
+
+def calls_in(model, layer) -> list | None:
+    """The nodes (each with `input_tensors`, `output_tensors`, `parent_nodes`) of the calls of
+    `layer` that belong to the functional `model`; a layer shared with another model has calls
+    of that model's too, which this leaves out. None when `model` is no layer graph (a
+    Sequential, or any object with `.layers`)."""
+    own_nodes = getattr(model, "_nodes", None)
+    if not own_nodes:
+        return None
+    return [node for index, node in enumerate(layer._inbound_nodes) if f"{id(layer)}_ib-{index}" in own_nodes]
+
+
+def is_created(variable: keras.Variable) -> bool:
+    """Whether the variable's backing tf.Variable exists yet (Keras creates it lazily)."""
+    return getattr(variable, "_value", None) is not None
+
+
+def recreate_on_current_device(variable: keras.Variable) -> None:
+    """Re-creates the backing tf.Variable of `variable` under the current `tf.device` scope,
+    keeping its value; Keras has no public way to move a variable."""
+    variable._initialize(tf.identity(variable._value.read_value()))
+
+
+def wait_at_barrier(barrier_id: str, timeout_ms: int) -> None:
+    """Blocks until every task of the coordination service (every worker) reaches `barrier_id`."""
+    eager_context.context().wait_at_barrier(barrier_id, timeout_ms)
