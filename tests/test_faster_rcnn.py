@@ -23,7 +23,6 @@ from tfmp.training.run import train_and_evaluate
 
 SIZE, CLASSES = 64, 6
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
-_FEW_ANCHORS = boxes.generate_anchors(SIZE, boxes.AnchorConfig(levels=(5,)))
 FLOAT32_PARTS = (
     "_rpn_objectness_conv",
     "_rpn_deltas",
@@ -123,9 +122,9 @@ def test_roi_align_layer_is_float32_under_mixed_policies():
 # ----------------------------------------------------------------------------- proposals
 def _truth(rows=4, size=SIZE):
     """Padded ground truth of `rows` shapes scenes (uneven box counts)."""
-    dataset = data.load("shapes", "eval", rows, anchors=_FEW_ANCHORS, image_size=size)[0]
-    images, _, truth = next(iter(dataset))
-    return images, truth["boxes"], truth["classes"]
+    images, truth = next(iter(data.load("shapes", "eval", rows, image_size=size)[0]))
+    inputs = rcnn_task.model_inputs(images, truth)
+    return images, inputs["gt_boxes"], inputs["gt_classes"]
 
 
 def test_rpn_targets_sample_at_most_half_positive_and_do_not_depend_on_the_batch():
@@ -162,7 +161,7 @@ def test_sampled_rois_include_the_ground_truth_and_keep_the_positive_fraction():
 def test_every_box_related_layer_and_output_is_float32_under_every_policy(policy):
     model = faster_rcnn.build_detector("faster_rcnn_tiny", SIZE, CLASSES, dtype=policy)
     images, gt_boxes, gt_classes = _truth(2)
-    inputs = rcnn_task.model_inputs(images, gt_boxes, gt_classes)
+    inputs = {"images": images, "gt_boxes": gt_boxes, "gt_classes": gt_classes}
     for training in (True, False):
         outputs = model(inputs, training=training)
         for key, value in outputs.items():
@@ -200,13 +199,11 @@ def _engine(strategy, policy="float32", class_loss="focal", learning_rate=0.01):
 
 
 def _batches(strategy):
-    config = TrainConfig.from_flat(dataset="shapes", augment=True, global_batch_size=BATCH)
-    info = data.describe("shapes", image_size=SIZE)
-    return iter(
-        strategy.distribute_datasets_from_function(
-            lambda context: rcnn_task.training_stream(config, info, context, skip_examples=0)
-        )
-    )
+    def dataset_fn(context):
+        dataset = data.load("shapes", "train", BATCH, image_size=SIZE, input_context=context, augment=True)[0]
+        return rcnn_task.model_elements(dataset)
+
+    return iter(strategy.distribute_datasets_from_function(dataset_fn))
 
 
 def _replica_values(model):

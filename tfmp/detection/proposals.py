@@ -28,29 +28,13 @@ import keras
 import tensorflow as tf
 
 from tfmp.detection import boxes
+from tfmp.detection.targets import match_anchors
 
 RPN_POSITIVE_IOU, RPN_NEGATIVE_IOU = 0.7, 0.3
 RPN_SAMPLES_PER_IMAGE, RPN_POSITIVE_FRACTION = 256, 0.5
 PRE_NMS_TOP_K, POST_NMS_TOP_K, PROPOSAL_NMS_IOU = 2000, 1000, 0.7
 ROIS_PER_IMAGE, ROI_POSITIVE_FRACTION, ROI_FOREGROUND_IOU = 512, 0.25, 0.5
 _RPN_SALT, _ROI_SALT = 17, 29  # different random streams for the two samplers
-
-
-def pairwise_iou(boxes1, boxes2):
-    """IoU [B, N, M] of xyxy boxes [B or 1, N, 4] and [B, M, 4], float32."""
-    a, b = tf.cast(boxes1, tf.float32)[:, :, None, :], tf.cast(boxes2, tf.float32)[:, None, :, :]
-    width = tf.maximum(tf.minimum(a[..., 2], b[..., 2]) - tf.maximum(a[..., 0], b[..., 0]), 0.0)
-    height = tf.maximum(tf.minimum(a[..., 3], b[..., 3]) - tf.maximum(a[..., 1], b[..., 1]), 0.0)
-    intersection = width * height
-    area = lambda box: tf.maximum(box[..., 2] - box[..., 0], 0.0) * tf.maximum(box[..., 3] - box[..., 1], 0.0)
-    return tf.math.divide_no_nan(intersection, area(a) + area(b) - intersection)
-
-
-def _matched(candidates, gt_boxes, gt_classes):
-    """Best IoU [B, N] (-1 without any real box) and the index [B, N] of that box."""
-    valid = gt_classes >= 0
-    iou = tf.where(valid[:, None, :], pairwise_iou(candidates, gt_boxes), -1.0)
-    return iou, tf.reduce_max(iou, axis=-1), tf.argmax(iou, axis=-1, output_type=tf.int32)
 
 
 def image_seeds(gt_boxes, gt_classes, salt: int):
@@ -98,30 +82,24 @@ def rpn_targets(
     positive_fraction: float = RPN_POSITIVE_FRACTION,
 ):
     """Objectness labels float32 [B, A] (1, 0, -1 = not sampled) and encoded box targets
-    [B, A, 4] (meaningful where the label is 1) for anchors [A, 4]."""
+    [B, A, 4] (meaningful where the label is 1) for anchors [A, 4]: `targets.match_anchors`
+    (each real box's best anchor positive too), then the balanced sample."""
     gt_boxes, gt_classes = tf.cast(gt_boxes, tf.float32), tf.cast(gt_classes, tf.int32)
-    iou, best_iou, best_gt = _matched(tf.cast(anchors, tf.float32)[None], gt_boxes, gt_classes)
-    # Low-quality matches: each real box's best anchor(s) are positive as well.
-    best_per_box = tf.reduce_max(iou, axis=1, keepdims=True)  # [B, 1, M]
-    forced = tf.reduce_any((iou >= best_per_box) & (best_per_box > 0.0), axis=-1)
-    positive = (best_iou >= positive_iou) | forced
-    negative = (best_iou < negative_iou) & (best_iou >= 0.0) & ~positive
+    matched = match_anchors(anchors, gt_boxes, gt_classes, gt_classes >= 0, positive_iou, negative_iou)
+    negative = ~matched.positive & ~matched.ignore  # an image without boxes: every anchor
     noise = _uniform(image_seeds(gt_boxes, gt_classes, _RPN_SALT), tf.shape(anchors)[0])
-    positive, negative = sample_balanced(positive, negative, noise, samples, positive_fraction)
-    labels = tf.where(positive, 1.0, tf.where(negative, 0.0, -1.0))
-    matched = tf.gather(gt_boxes, best_gt, batch_dims=1)
-    return labels, boxes.encode(tf.cast(anchors, tf.float32)[None], matched)
+    positive, negative = sample_balanced(matched.positive, negative, noise, samples, positive_fraction)
+    return tf.where(positive, 1.0, tf.where(negative, 0.0, -1.0)), matched.box_deltas
 
 
 def roi_targets(rois, gt_boxes, gt_classes, foreground_iou: float = ROI_FOREGROUND_IOU):
     """Second-stage targets of boxes `rois` [B, R, 4]: class int32 [B, R] (0 background, c + 1
-    for class c) and encoded deltas [B, R, 4] to the matched box (meaningful for foreground)."""
-    gt_boxes, gt_classes = tf.cast(gt_boxes, tf.float32), tf.cast(gt_classes, tf.int32)
-    _, best_iou, best_gt = _matched(rois, gt_boxes, gt_classes)
-    foreground = best_iou >= foreground_iou
-    classes = tf.where(foreground, tf.gather(gt_classes, best_gt, batch_dims=1) + 1, 0)
-    matched = tf.gather(gt_boxes, best_gt, batch_dims=1)
-    return classes, boxes.encode(tf.cast(rois, tf.float32), matched)
+    for class c) and encoded deltas [B, R, 4] to the matched box (0 for background)."""
+    gt_classes = tf.cast(gt_classes, tf.int32)
+    matched = match_anchors(
+        rois, gt_boxes, gt_classes, gt_classes >= 0, foreground_iou, foreground_iou, force_best_anchor=False
+    )
+    return tf.where(matched.positive, matched.classes + 1, 0), matched.box_deltas
 
 
 def sample_rois(
@@ -142,7 +120,9 @@ def sample_rois(
     missing = tf.maximum(rois_per_image - tf.shape(candidates)[1], 0)
     candidates = tf.pad(candidates, [[0, 0], [0, missing], [0, 0]])
     usable = tf.pad(usable, [[0, 0], [0, missing]])
-    _, best_iou, _ = _matched(candidates, gt_boxes, gt_classes)
+    best_iou = match_anchors(
+        candidates, gt_boxes, gt_classes, gt_classes >= 0, force_best_anchor=False
+    ).matched_iou
     positive = usable & (best_iou >= foreground_iou)
     negative = usable & ~positive
     noise = _uniform(image_seeds(gt_boxes, gt_classes, _ROI_SALT), tf.shape(candidates)[1])

@@ -21,47 +21,25 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from tfmp.classification import data as classification_data
 from tfmp.detection import boxes, data, evaluation, faster_rcnn, proposals, rcnn_losses
 from tfmp.detection.task import DetectionTask
 from tfmp.errors import UsageError
+from tfmp.input import stream
 from tfmp.training import fitting
 
 
-def model_inputs(images, gt_boxes, gt_classes) -> dict:
-    return {"images": images, "gt_boxes": gt_boxes, "gt_classes": tf.cast(gt_classes, tf.int32)}
+def model_inputs(images, truth: dict) -> dict:
+    """The model's inputs from `tfmp.detection.data` ground truth (classes -1 where not valid)."""
+    classes = tf.where(truth["box_valid"], tf.cast(truth["classes"], tf.int32), -1)
+    return {"images": images, "gt_boxes": truth["boxes"], "gt_classes": classes}
 
 
-def training_stream(config, info, input_context, skip_examples: int) -> tf.data.Dataset:
-    """Endless shuffled, augmented `(inputs,)` batches of one input pipeline, as
-    `tfmp.detection.data.load` orders them (shuffle, repeat, shard late, skip), but carrying the
-    padded ground truth instead of anchor targets: the model matches on the device."""
-    source = data.source(config.data.dataset, "train", info.image_size, config.data.data_dir)
-    pipelines = input_context.num_input_pipelines if input_context else 1
-    batch_size = (
-        input_context.get_per_replica_batch_size(config.data.global_batch_size) if input_context else None
-    )
-    dataset = source.examples(None, None).shuffle(source.shuffle_buffer, seed=config.seed)
-    dataset = dataset.repeat().enumerate()  # the stream position keys the augmentation
-    if pipelines > 1:
-        dataset = dataset.shard(pipelines, input_context.input_pipeline_id)
-    dataset = dataset.skip(skip_examples)
-    seed = tf.constant(config.seed, tf.int64)
-
-    def prepare(position, item):
-        image, gt_boxes, gt_classes = source.decode(item)
-        key = tf.stack([seed, position]) if config.data.augment else None
-        image, gt_boxes, gt_classes, _ = data.fit_to_square(image, gt_boxes, gt_classes, info.image_size, key)
-        gt_boxes, gt_classes = data.pad_boxes(gt_boxes, gt_classes, info.max_boxes)
-        image = tf.ensure_shape(image, [info.image_size, info.image_size, 3])
-        return (model_inputs(image, gt_boxes, gt_classes),)
-
-    dataset = dataset.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
-    dataset = dataset.batch(batch_size or config.data.global_batch_size, drop_remainder=True)
-    options = tf.data.Options()
-    options.deterministic = True
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+def model_elements(dataset: tf.data.Dataset, with_truth: bool = False) -> tf.data.Dataset:
+    """`data.load` batches (image, truth) as the engine's elements: `(inputs,)` to train on,
+    `(inputs, truth)` to evaluate (the truth travels along to the COCO evaluator)."""
+    if with_truth:
+        return dataset.map(lambda images, truth: (model_inputs(images, truth), truth))
+    return dataset.map(lambda images, truth: (model_inputs(images, truth),))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,27 +87,36 @@ class FasterRCNNTask(DetectionTask):
 
     def inputs(self, config, plan, engine, start_step: int):
         strategy, info = plan.strategy, plan.info
-        # data.load matches anchors for RetinaNet; the coarsest level's few anchors keep that cheap.
-        unused_anchors = boxes.generate_anchors(info.image_size, boxes.AnchorConfig(levels=(5,)))
+        shard_policies = []
 
         def train_input(input_context):
             skip = start_step * config.data.global_batch_size // input_context.num_input_pipelines
-            dataset = training_stream(config, info, input_context, skip)
-            return classification_data.with_threads(dataset, config.data.data_threads)
+            dataset, policy = data.load(
+                config.data.dataset,
+                "train",
+                config.data.global_batch_size,
+                image_size=info.image_size,
+                data_dir=config.data.data_dir,
+                input_context=input_context,
+                augment=config.data.augment,
+                cache=config.data.cache,
+                seed=config.seed,
+                skip_examples=skip,
+            )
+            shard_policies.append(policy)
+            return stream.with_threads(model_elements(dataset), config.data.data_threads)
 
         def eval_input(input_context):
             dataset = data.load(
                 config.data.dataset,
                 "eval",
                 config.data.global_batch_size,
-                anchors=unused_anchors,
                 image_size=info.image_size,
                 data_dir=config.data.data_dir,
                 input_context=input_context,
+                cache=config.data.cache,
             )[0]
-            return dataset.map(
-                lambda image, labels, truth: (model_inputs(image, truth["boxes"], truth["classes"]), truth)
-            )
+            return model_elements(dataset, with_truth=True)
 
         train_iterator = iter(strategy.distribute_datasets_from_function(train_input))
         eval_dataset = strategy.distribute_datasets_from_function(eval_input) if config.evaluate else None
@@ -141,8 +128,11 @@ class FasterRCNNTask(DetectionTask):
             evaluator.update(truth, detections)
             return {**evaluator.result(), "images": float(evaluator.num_images)}
 
-        policies = ["DATA" if strategy.num_replicas_in_sync > 1 else "OFF"]
-        return (lambda epoch, steps_done: train_iterator), (evaluate if eval_dataset else None), policies
+        return (
+            (lambda epoch, steps_done: train_iterator),
+            (evaluate if eval_dataset else None),
+            shard_policies,
+        )
 
     def card(self, config, plan, model) -> dict:
         info = plan.info
