@@ -6,6 +6,7 @@ ROIAlign against a NumPy reference, proposals and sampling, the model under ever
 
 import json
 import math
+import sys
 
 import keras
 import numpy as np
@@ -283,3 +284,18 @@ def test_app_trains_faster_rcnn_mixed_then_predicts_float32_boxes_drawn_to_png(t
     refused = run_python(["-m", "apps.detect", "--model=faster_rcnn_tiny", "--xla=on"] + common)
     assert refused.returncode != 0 and "error:" in refused.stderr and "no XLA kernel" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.slow
+def test_two_launched_workers_train_faster_rcnn_identically(tmp_path):
+    result = run_python(
+        ["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "-m", "apps.detect"]
+        + ["--model=faster_rcnn_tiny", "--mixed", "--steps=3", "--steps_per_epoch=3", "--warmup_steps=0"]
+        + [f"--image_size={SIZE}", f"--global_batch_size={BATCH}", f"--model_dir={tmp_path / 'run'}"]
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = [line for line in result.stdout.splitlines() if "tfmp summary:" in line]
+    assert len(summaries) == 2 and "2 replica(s) on 2 worker(s)" in summaries[0]
+    digests = {line.split("weights ")[-1].split(",")[0] for line in summaries}
+    assert len(digests) == 1  # identical weights on both workers
+    assert "on 500 images" in summaries[0]  # every eval image once, across both workers
