@@ -1,6 +1,7 @@
-"""Train a RetinaNet detector with mixed precision, or draw its detections on images.
+"""Train a RetinaNet or Faster R-CNN detector with mixed precision, or draw its detections on images.
 
     python -m apps.detect --mixed                         # built-in shapes scenes, offline, a few minutes
+    python -m apps.detect --model=faster_rcnn_tiny --mixed [--rcnn_class_loss=softmax]
     python -m apps.detect --strategy=mirrored --cpu_replicas=2
     python -m tfmp.launch --workers=2 -- python -m apps.detect
     python -m apps.detect --flagfile=configs/retinanet_resnet50_coco_8gpu.cfg --data_dir=...
@@ -17,7 +18,7 @@ import json
 from absl import flags
 
 from apps import cli, common
-from tfmp.detection import DEFAULTS
+from tfmp.detection import DEFAULTS, faster_rcnn, rcnn_task
 from tfmp.detection import predict as detection_predict
 from tfmp.detection.task import TASK
 from tfmp.errors import UsageError
@@ -45,6 +46,15 @@ flags.DEFINE_float(
 )
 flags.DEFINE_integer("max_detections", DEFAULTS["max_detections"], "Detections kept per image after NMS.")
 flags.DEFINE_string("output_dir", None, "--predict: where the PNGs go (default: next to each image).")
+flags.DEFINE_enum(
+    "rcnn_class_loss", "focal", ["focal", "softmax"], "Faster R-CNN: the second stage's classification loss."
+)
+flags.DEFINE_integer(
+    "pre_nms_top_k", None, "Faster R-CNN: RPN proposals per level before NMS (default: the model's; 2000)."
+)
+flags.DEFINE_integer(
+    "post_nms_top_k", None, "Faster R-CNN: proposals per image after NMS (default: the model's; 1000)."
+)
 
 
 def main(argv):
@@ -60,7 +70,10 @@ def main(argv):
         return
     threshold = DEFAULTS["score_threshold"] if FLAGS.score_threshold is None else FLAGS.score_threshold
     config = common.config_from_flags(score_threshold=threshold, max_detections=FLAGS.max_detections)
-    common.train_or_diagnose("detect", config, TASK)
+    task = TASK
+    if FLAGS.model in faster_rcnn.DETECTORS:
+        task = rcnn_task.FasterRCNNTask(FLAGS.rcnn_class_loss, FLAGS.pre_nms_top_k, FLAGS.post_nms_top_k)
+    common.train_or_diagnose("detect", config, task)
 
 
 if __name__ == "__main__":

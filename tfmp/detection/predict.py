@@ -17,13 +17,13 @@ import keras
 import tensorflow as tf
 
 from tfmp import run_dir
-from tfmp.detection import boxes, data, retinanet, visualize
+from tfmp.detection import boxes, data, faster_rcnn, retinanet, visualize
 from tfmp.errors import UsageError
 
 
 def load_detector(model_dir: str) -> tuple[keras.Model, dict, data.DetectionInfo]:
     flags = run_dir.read_flags(model_dir, required=True)
-    if flags.get("model") not in retinanet.DETECTORS:
+    if flags.get("model") not in {**retinanet.DETECTORS, **faster_rcnn.DETECTORS}:
         raise UsageError(
             f"run {model_dir!r} trained {flags.get('model')!r}, not a detector; "
             f"use apps.predict for classifiers"
@@ -49,15 +49,17 @@ def predict_files(
         raise UsageError(f"--score_threshold={score_threshold} must be in [0, 1)")
     model, flags, info = load_detector(model_dir)
     images = [data.read_image(path, info.image_size) for path in paths]  # all decode, or nothing is written
-    anchors = boxes.generate_anchors(info.image_size, retinanet.anchor_config(flags["model"]))
-    outputs = model.predict_on_batch(tf.stack([image for image, _, _ in images]))
-    found = boxes.decode_detections(
-        outputs,
-        anchors,
-        score_threshold=score_threshold,
-        max_detections=max_detections,
-        image_size=info.image_size,
-    )
+    batch = tf.stack([image for image, _, _ in images])
+    if flags["model"] in faster_rcnn.DETECTORS:  # NMS inside the model
+        found = faster_rcnn.detect(model, batch, score_threshold, max_detections)
+    else:
+        found = boxes.decode_detections(
+            model.predict_on_batch(batch),
+            boxes.generate_anchors(info.image_size, retinanet.anchor_config(flags["model"])),
+            score_threshold=score_threshold,
+            max_detections=max_detections,
+            image_size=info.image_size,
+        )
     found = {key: value.numpy() for key, value in found.items()}
     records = []
     for row, (path, (_, scale, original)) in enumerate(zip(paths, images)):

@@ -1,0 +1,301 @@
+"""Tests for Faster R-CNN: tfmp.detection.roi_align, .proposals, .rcnn_losses, .faster_rcnn.
+
+ROIAlign against a NumPy reference, proposals and sampling, the model under every policy
+(float32 boxes), 2 replicas equal to one device, the strategy x precision x XLA cells.
+"""
+
+import json
+import math
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import run_python
+from PIL import Image
+
+from tfmp import precision
+from tfmp.detection import boxes, data, faster_rcnn, proposals, rcnn_losses, rcnn_task, roi_align
+from tfmp.errors import UsageError
+from tfmp.training.config import TrainConfig
+from tfmp.training.engine import Engine
+from tfmp.training.run import train_and_evaluate
+
+SIZE, CLASSES = 64, 6
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+FLOAT32_PARTS = (
+    "_rpn_objectness_conv",
+    "_rpn_deltas",
+    "_rpn_scores",
+    "_proposals",
+    "_sample_rois",
+    "_roi_align",
+    "_head_classes",
+    "_head_deltas",
+    "_detections",
+)
+
+
+# ----------------------------------------------------------------------------- ROIAlign
+def _bilinear(feature, y, x):
+    """Detectron2's ROIAlign sample: 0 beyond one cell outside the map, else clamped bilinear."""
+    height, width, _ = feature.shape
+    if y < -1.0 or y > height or x < -1.0 or x > width:
+        return np.zeros(feature.shape[-1])
+    y, x = min(max(y, 0.0), height - 1), min(max(x, 0.0), width - 1)
+    y0, x0 = int(math.floor(y)), int(math.floor(x))
+    y1, x1 = min(y0 + 1, height - 1), min(x0 + 1, width - 1)
+    dy, dx = y - y0, x - x0
+    return (
+        feature[y0, x0] * (1 - dy) * (1 - dx)
+        + feature[y0, x1] * (1 - dy) * dx
+        + feature[y1, x0] * dy * (1 - dx)
+        + feature[y1, x1] * dy * dx
+    )
+
+
+def _reference_roi_align(feature, box, stride, output_size, sampling_ratio):
+    """Aligned ROIAlign of one xyxy pixel box on one map [H, W, C], written out point by point."""
+    x1, y1, x2, y2 = (value / stride - 0.5 for value in box)
+    bin_h, bin_w = (y2 - y1) / output_size, (x2 - x1) / output_size
+    out = np.zeros((output_size, output_size, feature.shape[-1]))
+    for row in range(output_size):
+        for col in range(output_size):
+            samples = [
+                _bilinear(
+                    feature,
+                    y1 + row * bin_h + (i + 0.5) * bin_h / sampling_ratio,
+                    x1 + col * bin_w + (j + 0.5) * bin_w / sampling_ratio,
+                )
+                for i in range(sampling_ratio)
+                for j in range(sampling_ratio)
+            ]
+            out[row, col] = np.mean(samples, axis=0)
+    return out
+
+
+def test_roi_align_matches_numpy_reference_at_fractional_boxes_on_the_level_chosen_by_size():
+    rng = np.random.default_rng(0)
+    levels = (3, 4)
+    pyramid = [rng.normal(size=(2, 64 // 2**level, 64 // 2**level, 3)).astype(np.float32) for level in levels]
+    # Fractional coordinates, tiny and large boxes, boxes over the border (beyond one cell too).
+    rois = np.array(
+        [
+            [[3.3, 5.7, 20.9, 17.2], [10.25, 1.5, 60.75, 62.1], [-9.0, -3.3, 12.4, 7.7]],
+            [[0.0, 0.0, 64.0, 64.0], [40.6, 33.3, 41.9, 35.0], [50.2, 44.4, 75.5, 70.1]],
+        ],
+        np.float32,
+    )
+    canonical_size, canonical_level = 32.0, 4
+    got = roi_align.roi_align(
+        [tf.constant(p) for p in pyramid],
+        tf.constant(rois),
+        levels,
+        output_size=4,
+        sampling_ratio=2,
+        canonical_size=canonical_size,
+        canonical_level=canonical_level,
+    ).numpy()
+    assert got.shape == (2, 3, 4, 4, 3) and got.dtype == np.float32
+    chosen = roi_align.assign_levels(rois, levels, canonical_size, canonical_level).numpy()
+    assert set(chosen.ravel()) == {3, 4}  # both levels used
+    for image in range(2):
+        for index in range(3):
+            box, level = rois[image, index], int(chosen[image, index])
+            size = math.sqrt((box[2] - box[0]) * (box[3] - box[1]))
+            expected_level = min(max(math.floor(canonical_level + math.log2(size / canonical_size)), 3), 4)
+            assert level == expected_level
+            feature = pyramid[levels.index(level)][image].astype(np.float64)
+            expected = _reference_roi_align(feature, box, 2.0**level, 4, 2)
+            # float32 interpolation of O(1) values: a few float32 epsilons.
+            np.testing.assert_allclose(got[image, index], expected, atol=20 * np.finfo(np.float32).eps)
+
+
+def test_roi_align_layer_is_float32_under_mixed_policies():
+    layer = roi_align.ROIAlign((3,), output_size=2, name="pool")
+    features = tf.cast(tf.random.stateless_uniform([1, 8, 8, 4], [1, 2]), tf.bfloat16)
+    pooled = layer([tf.constant([[[8.0, 8.0, 40.0, 40.0]]]), features])
+    assert layer.dtype_policy.name == "float32" and pooled.dtype == tf.float32
+    assert pooled.shape == (1, 1, 2, 2, 4)
+
+
+# ----------------------------------------------------------------------------- proposals
+def _truth(rows=4, size=SIZE):
+    """Padded ground truth of `rows` shapes scenes (uneven box counts)."""
+    images, truth = next(iter(data.load("shapes", "eval", rows, image_size=size)[0]))
+    inputs = rcnn_task.model_inputs(images, truth)
+    return images, inputs["gt_boxes"], inputs["gt_classes"]
+
+
+def test_rpn_targets_sample_at_most_half_positive_and_do_not_depend_on_the_batch():
+    anchors = boxes.generate_anchors(SIZE, boxes.AnchorConfig(levels=(3, 4, 5)))
+    _, gt_boxes, gt_classes = _truth()
+    labels, targets = proposals.rpn_targets(anchors, gt_boxes, gt_classes, samples=32)
+    sampled = tf.reduce_sum(tf.cast(labels >= 0, tf.int32), axis=-1).numpy()
+    positive = tf.reduce_sum(tf.cast(labels > 0, tf.int32), axis=-1).numpy()
+    assert (sampled == 32).all() and (positive >= 1).all() and (positive <= 16).all()
+    assert targets.dtype == tf.float32
+    # Image 2 alone samples exactly what it samples inside the batch (keys from its own boxes).
+    alone, _ = proposals.rpn_targets(anchors, gt_boxes[2:3], gt_classes[2:3], samples=32)
+    np.testing.assert_array_equal(alone[0].numpy(), labels[2].numpy())
+
+
+def test_sampled_rois_include_the_ground_truth_and_keep_the_positive_fraction():
+    _, gt_boxes, gt_classes = _truth()
+    # Proposals that overlap nothing: the only foreground candidates are the added boxes.
+    far = tf.tile(tf.constant([[[0.0, 0.0, 3.0, 3.0]]]), [4, 10, 1])
+    rois, weights = proposals.sample_rois(far, tf.ones([4, 10], tf.bool), gt_boxes, gt_classes, 8, 0.5)
+    classes, _ = proposals.roi_targets(rois, gt_boxes, gt_classes)
+    real = tf.reduce_sum(tf.cast(gt_classes >= 0, tf.int32), axis=-1).numpy()
+    foreground = tf.reduce_sum(tf.cast(classes > 0, tf.float32) * weights, axis=-1).numpy()
+    np.testing.assert_array_equal(foreground, np.minimum(real, 4))
+    np.testing.assert_array_equal(weights.numpy().sum(-1), 8)
+    # Fewer candidates than ROIs asked for: the rest is padding of weight 0.
+    rois, weights = proposals.sample_rois(far[:, :2], tf.ones([4, 2], tf.bool), gt_boxes, gt_classes, 16, 0.5)
+    assert rois.shape == (4, 16, 4)
+    np.testing.assert_array_equal(weights.numpy().sum(-1), np.minimum(real, 8) + 2)
+
+
+# ----------------------------------------------------------------------------- the model
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_box_related_layer_and_output_is_float32_under_every_policy(policy):
+    model = faster_rcnn.build_detector("faster_rcnn_tiny", SIZE, CLASSES, dtype=policy)
+    images, gt_boxes, gt_classes = _truth(2)
+    inputs = {"images": images, "gt_boxes": gt_boxes, "gt_classes": gt_classes}
+    for training in (True, False):
+        outputs = model(inputs, training=training)
+        for key, value in outputs.items():
+            assert value.dtype == (tf.int32 if key in ("classes", "valid_detections") else tf.float32), key
+    assert 0 < int(outputs["valid_detections"][0]) <= 100  # untrained softmax: ~1/7 per class
+    found = faster_rcnn.detect(model, images, score_threshold=0.1, max_detections=5)
+    count = found["valid_detections"].numpy()
+    assert (count >= 1).all() and (count <= 5).all() and found["boxes"].dtype == tf.float32
+    for row, kept in enumerate(count):
+        assert (found["scores"][row, :kept].numpy() >= 0.1).all()
+        assert (found["scores"][row, kept:].numpy() == 0).all()
+        assert (found["boxes"][row, :kept].numpy() >= 0).all() and (found["boxes"].numpy() <= SIZE).all()
+    assert all(weight.dtype == "float32" for weight in model.weights)
+    for layer in model.layers:
+        assert layer.name.startswith("faster_rcnn_tiny_"), layer.name
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        boxes_layer = any(part in layer.name for part in FLOAT32_PARTS)
+        assert layer.dtype_policy.name == ("float32" if boxes_layer else policy), layer.name
+
+
+# ----------------------------------------------------------------------------- the one engine
+BATCH = 4
+
+
+def _engine(strategy, policy="float32", class_loss="focal", learning_rate=0.01):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = faster_rcnn.build_detector("faster_rcnn_tiny", SIZE, CLASSES, dtype=policy)
+        optimizer = precision.wrap_optimizer(
+            keras.optimizers.SGD(learning_rate, momentum=0.9), policy, initial_scale=1024.0
+        )
+        model.compile(optimizer=optimizer, loss=rcnn_losses.FasterRCNNLoss(class_loss))
+    return Engine(strategy, model, optimizer)
+
+
+def _batches(strategy):
+    def dataset_fn(context):
+        dataset = data.load("shapes", "train", BATCH, image_size=SIZE, input_context=context, augment=True)[0]
+        return rcnn_task.model_elements(dataset)
+
+    return iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+
+def _replica_values(model):
+    return [[v.numpy() for v in getattr(w.value, "values", [w.value])] for w in model.trainable_weights]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
+def test_every_strategy_and_precision_cell_trains_without_xla(mirrored, strategy_name, policy):
+    strategy = mirrored if strategy_name == "mirrored" else tf.distribute.get_strategy()
+    engine = _engine(strategy, policy, class_loss="softmax" if policy == "float32" else "focal")
+    result = engine.train(_batches(strategy), 2)
+    assert np.isfinite(result.metrics["loss"]) and result.nonfinite_steps == 0
+    for weight, copies in zip(engine.model.trainable_weights, _replica_values(engine.model)):
+        assert weight.dtype == "float32"
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0])  # replicas identical
+
+
+def test_two_replicas_equal_one_device_proposals_sampling_and_global_normalisers(mirrored):
+    one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
+    single = _engine(one_device)
+    single.train(_batches(one_device), 3)
+    replicated = _engine(mirrored)
+    replicated.train(_batches(mirrored), 3)
+    for a, b in zip(single.model.trainable_weights, replicated.model.trainable_weights):
+        # float32 sums in another order: weights of scale ~0.1-1 after 3 SGD steps.
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=a.name)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_xla_on_is_refused_with_a_message_before_anything_is_written(tmp_path, policy):
+    run = tmp_path / "run"
+    config = TrainConfig.from_flat(
+        model="faster_rcnn_tiny",
+        image_size=SIZE,
+        global_batch_size=BATCH,
+        steps=1,
+        precision=policy,
+        strategy="default",
+        xla="on",
+        model_dir=str(run),
+        verbose=False,
+    )
+    with pytest.raises(UsageError, match="no XLA kernel; pass --xla=off"):
+        train_and_evaluate(config, rcnn_task.TASK)
+    assert not run.exists()
+
+
+# ----------------------------------------------------------------------------- apps.detect
+@pytest.mark.slow
+def test_app_trains_faster_rcnn_mixed_then_predicts_float32_boxes_drawn_to_png(tmp_path):
+    run = tmp_path / "run"
+    common = [f"--image_size={SIZE}", f"--global_batch_size={BATCH}", "--warmup_steps=0"]
+    result = run_python(
+        ["-m", "apps.detect", "--model=faster_rcnn_tiny", "--mixed", "--steps=4", "--steps_per_epoch=4"]
+        + ["--rcnn_class_loss=softmax", "--pre_nms_top_k=100", "--post_nms_top_k=50", f"--model_dir={run}"]
+        + common
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = [line for line in result.stdout.splitlines() if line.startswith("tfmp summary:")][-1]
+    assert "eval mAP" in summary and "precision mixed_" in summary
+    assert "2nd stage softmax" in result.stdout and "post-NMS top 50 per image" in result.stdout
+    picture = tmp_path / "scene.png"
+    Image.fromarray((np.random.default_rng(0).random((80, 100, 3)) * 255).astype(np.uint8)).save(picture)
+    predicted = run_python(
+        ["-m", "apps.detect", f"--model_dir={run}", f"--predict={picture}", "--score_threshold=0.0"]
+        + [f"--output_dir={tmp_path / 'drawn'}"]
+    )
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    record = json.loads(predicted.stdout.strip().splitlines()[-1])
+    assert record["boxes_dtype"] == "float32" and record["scores_dtype"] == "float32"
+    # 4 steps teach the background class first: few or no scores reach the model's 0.05 yet.
+    for found in record["detections"]:
+        assert len(found["box"]) == 4 and found["score"] >= 0.05 and found["name"]
+    assert Image.open(record["png"]).size == (100, 80)  # drawn on the original image
+    refused = run_python(["-m", "apps.detect", "--model=faster_rcnn_tiny", "--xla=on"] + common)
+    assert refused.returncode != 0 and "error:" in refused.stderr and "no XLA kernel" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.slow
+def test_two_launched_workers_train_faster_rcnn_identically(tmp_path):
+    result = run_python(
+        ["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "-m", "apps.detect"]
+        + ["--model=faster_rcnn_tiny", "--mixed", "--steps=3", "--steps_per_epoch=3", "--warmup_steps=0"]
+        + [f"--image_size={SIZE}", f"--global_batch_size={BATCH}", f"--model_dir={tmp_path / 'run'}"]
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = [line for line in result.stdout.splitlines() if "tfmp summary:" in line]
+    assert len(summaries) == 2 and "2 replica(s) on 2 worker(s)" in summaries[0]
+    digests = {line.split("weights ")[-1].split(",")[0] for line in summaries}
+    assert len(digests) == 1  # identical weights on both workers
+    assert "on 500 images" in summaries[0]  # every eval image once, across both workers
