@@ -25,9 +25,9 @@ latency p50/p99, throughput at --global_batch_size, size on disk (`tfmp.bench.in
 from absl import flags, logging
 
 from apps import cli
-from tfmp.bench import inference as bench_inference
 from tfmp.bench import matrix as bench
 from tfmp.bench import report as bench_report
+from tfmp.bench import runner as bench_runner
 from tfmp.errors import UsageError
 
 FLAGS = flags.FLAGS
@@ -87,6 +87,10 @@ def _switches(name: str) -> list[bool]:
 
 
 def _inference_main():
+    # Imported here, not at the top: it imports TensorFlow, and a training matrix's parent
+    # process must not (see tfmp.bench.runner); the inference bench measures in this process.
+    from tfmp.bench import inference as bench_inference
+
     logging.set_verbosity(logging.WARNING)  # TensorFlow's saver chatter from the exports
     config = bench_inference.InferenceBenchConfig(
         models=FLAGS.models,
@@ -135,7 +139,7 @@ def main(argv):
         study_image_size=FLAGS.study_image_size,
         study_batch_size=FLAGS.study_batch_size,
     )
-    report = bench.run(config, progress=lambda line: print(line, flush=True))
+    report = bench_runner.run(config, progress=lambda line: print(line, flush=True))
     print()
     print(bench_report.table(report["cells"], report["ratios"]))
     load = report["load_average"]

@@ -136,7 +136,7 @@ def test_bad_matrix_flags_are_one_line_errors(tmp_path, args, message):
 
 def test_validate_refuses_empty_matrix():
     with pytest.raises(UsageError, match="--replicas and/or --workers"):
-        bench.validate(bench.BenchConfig(models=["lenet"], precisions=["float32"], replicas=[], workers=[]))
+        bench.check(bench.BenchConfig(models=["lenet"], precisions=["float32"], replicas=[], workers=[]))
 
 
 def test_derive_on_hand_made_cells():

@@ -10,10 +10,13 @@ import math
 import pytest
 from conftest import run_python
 
+from tfmp.bench import cell as bench_cell
 from tfmp.bench import matrix as bench
 from tfmp.bench import report as bench_report
 from tfmp.bench import threads as bench_threads
 from tfmp.errors import UsageError
+
+ENVIRONMENT = bench.Environment(**bench_cell.environment())
 
 
 def _config(**changes):
@@ -31,8 +34,8 @@ def _config(**changes):
 
 def test_cells_plan_detector_pipeline_and_thread_cells():
     config = _config()
-    bench.validate(config)
-    planned = bench.cells(config)
+    bench.validate(config, ENVIRONMENT)
+    planned = bench.cells(config, ENVIRONMENT)
     detector = [c for c in planned if c.get("model") == "retinanet_tiny"]
     assert {(c["kind"], c["precision"], c.get("reference")) for c in detector} == {
         ("engine", "float32", None),
@@ -69,7 +72,7 @@ def test_cells_plan_detector_pipeline_and_thread_cells():
 )
 def test_bad_study_settings_are_one_line_errors(changes, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(")) as error:
-        bench.validate(_config(**changes))
+        bench.validate(_config(**changes), ENVIRONMENT)
     assert "\n" not in str(error.value)
 
 

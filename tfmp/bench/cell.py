@@ -1,6 +1,6 @@
 """One benchmark measurement, in a process of its own: `python -m tfmp.bench.cell '<json>'`.
 
-`tfmp.bench` starts one process per cell (through `tfmp.launch` for multi-worker cells) so that
+`tfmp.bench.runner` starts one process per cell (through `tfmp.launch` for multi-worker cells) so that
 device splits, peak memory and compiled graphs never leak between cells. A cell is a dict:
 
     {"kind": "engine" | "fit" | "peak", "model": "resnet20", "precision": "float32",
@@ -16,7 +16,8 @@ repeats one such batch). Optional keys "intra_op_threads", "inter_op_threads" (s
 TensorFlow starts) and "data_threads" (tf.data private pool) change the thread settings.
 Two more kinds: `pipeline` (`tfmp.bench.pipeline.measure` rows, "model", "image_size",
 "global_batch_size", "micro_batches", "steps", "repeats", "precision") and `python_threads`
-(`tfmp.bench.threads.measure_python_threads`, "unit_seconds").
+(`tfmp.bench.python_threads.measure`, "unit_seconds"), and `environment` (the names and
+hardware facts the parent plans with, `tfmp.bench.matrix.Environment`).
 The result is printed as one line: `BENCH_RESULT {json}`.
 """
 
@@ -30,14 +31,39 @@ import statistics
 import sys
 import time
 
-RESULT_PREFIX = "BENCH_RESULT "
+import keras
+import tensorflow as tf
+
+from tfmp import models, precision
+from tfmp.bench import peak as bench_peak
+from tfmp.bench import pipeline as bench_pipeline
+from tfmp.bench import python_threads
+from tfmp.bench.matrix import RESULT_PREFIX
+from tfmp.classification import data
+from tfmp.classification.task import compile_classifier
+from tfmp.detection import boxes, retinanet
+from tfmp.detection import data as detection_data
+from tfmp.detection.task import compile_detector
+from tfmp.distribute import strategies as distribute
+from tfmp.training.engine import Engine
+
 MNIST_SHAPED = ("mnist_mlp", "lenet")
 
 
 def is_detector(name: str) -> bool:
-    from tfmp.detection import retinanet
-
     return name in retinanet.DETECTORS
+
+
+def environment() -> dict:
+    """What the parent (which never imports TensorFlow) needs to plan: `matrix.Environment`."""
+    return {
+        "classifiers": list(models.MODELS),
+        "detectors": list(retinanet.DETECTORS),
+        "policies": {choice: precision.resolve(choice).policy for choice in precision.CHOICES},
+        "gpus": [gpu.name for gpu in tf.config.list_physical_devices("GPU")],
+        "cpu_fast_bfloat16": precision.detect_hardware().cpu_fast_bfloat16,
+        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
+    }
 
 
 def _dataset_spec(cell: dict) -> str:
@@ -52,47 +78,8 @@ def _image_size(cell: dict, spec: str):
     return None if spec == "digits" or cell["model"] in MNIST_SHAPED else cell.get("image_size")
 
 
-def measure_peak(policy: str) -> dict:
-    """FLOP/s of a large square matmul in the policy's compute dtype, the cells' ceiling."""
-    import tensorflow as tf
-
-    from tfmp import precision
-
-    dtype = precision.compute_dtype(policy)
-    size = 4096 if tf.config.list_physical_devices("GPU") else 1024
-    a = tf.random.uniform([size, size], dtype=tf.float32)
-    a, b = tf.cast(a, dtype), tf.cast(tf.transpose(a), dtype)
-
-    @tf.function
-    def repeat_matmul(count):
-        total = tf.zeros([], tf.float32)
-        for _ in tf.range(count):
-            total += tf.cast(tf.reduce_sum(tf.linalg.matmul(a, b)[0, :1]), tf.float32)
-        return total
-
-    repeat_matmul(tf.constant(2)).numpy()  # compile and warm up
-    count, seconds = 4, 0.0
-    while seconds < 1.0:  # grow until a repeat takes a second: timer noise below 1%
-        count *= 2
-        started = time.perf_counter()
-        repeat_matmul(tf.constant(count)).numpy()
-        seconds = time.perf_counter() - started
-    runs = []
-    for _ in range(3):
-        started = time.perf_counter()
-        repeat_matmul(tf.constant(count)).numpy()
-        runs.append(2 * size**3 * count / (time.perf_counter() - started))
-    return {"peak_flops": max(runs), "matmul_size": size, "dtype": dtype}
-
-
 def _classifier_setup(cell: dict, strategy, policy: str):
     """(compiled classifier, optimizer, dataset_fn(input_context), image shape)."""
-    import keras
-
-    from tfmp import models, precision
-    from tfmp.classification import data
-    from tfmp.classification.task import compile_classifier
-
     spec = _dataset_spec(cell)
     image_size = _image_size(cell, spec)
     info = data.describe(spec, image_size=image_size)
@@ -117,13 +104,6 @@ def _classifier_setup(cell: dict, strategy, policy: str):
 
 def _detector_setup(cell: dict, strategy, policy: str):
     """(compiled detector, optimizer, dataset_fn(input_context), image shape) on `shapes`."""
-    import keras
-
-    from tfmp import precision
-    from tfmp.detection import boxes, retinanet
-    from tfmp.detection import data as detection_data
-    from tfmp.detection.task import compile_detector
-
     size = cell["image_size"]
     info = detection_data.describe("shapes", image_size=size)
     anchors = boxes.generate_anchors(size, retinanet.anchor_config(cell["model"]))
@@ -150,9 +130,6 @@ def _detector_setup(cell: dict, strategy, policy: str):
 
 
 def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
-    from tfmp.classification import data
-    from tfmp.training.engine import Engine
-
     engine = Engine(strategy, model, optimizer, xla=cell["xla"])
     threads = cell.get("data_threads", 0)
     dataset = strategy.distribute_datasets_from_function(
@@ -173,10 +150,6 @@ def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
 
 
 def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
-    import keras
-
-    from tfmp.classification import data
-
     dataset = data.with_threads(dataset_fn(None), cell.get("data_threads", 0))
     with strategy.scope():
         model.compile(
@@ -244,17 +217,12 @@ def _timer(cell):
 
 def measure(cell: dict) -> dict:
     """Runs the cell in this process (devices and thread pools are set here: once per process)."""
+    if cell["kind"] == "environment":
+        return environment()
     if cell["kind"] == "peak":
-        return measure_peak(cell["precision"])
+        return bench_peak.measure(cell["precision"])
     if cell["kind"] == "python_threads":
-        from tfmp.bench import threads as bench_threads
-
-        return bench_threads.measure_python_threads(cell["unit_seconds"])
-    import tensorflow as tf
-
-    from tfmp import models, precision
-    from tfmp.distribute import strategies as distribute
-
+        return python_threads.measure(cell["unit_seconds"])
     # Before anything starts TensorFlow's runtime: it fixes its thread pools then.
     distribute.set_threads(cell.get("intra_op_threads", 0), cell.get("inter_op_threads", 0))
     if cell["kind"] == "pipeline":
@@ -304,9 +272,6 @@ def measure(cell: dict) -> dict:
 
 def _measure_pipeline(cell: dict) -> dict:
     """K=2 pipelines against the unsplit model (`tfmp.bench.pipeline`; it splits the CPU)."""
-    from tfmp import precision
-    from tfmp.bench import pipeline as bench_pipeline
-
     rows = bench_pipeline.measure(
         cell["model"],
         image_size=cell["image_size"],
@@ -320,8 +285,6 @@ def _measure_pipeline(cell: dict) -> dict:
 
 
 def _gpu_memory() -> dict:
-    import tensorflow as tf
-
     gpus = tf.config.list_logical_devices("GPU")
     if not gpus:
         return {}

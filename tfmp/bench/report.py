@@ -13,7 +13,8 @@ the unsplit model, bubble measured and in theory) and "threads" (`tfmp.bench.thr
 
 from __future__ import annotations
 
-from tfmp.bench import pipeline as bench_pipeline
+from matplotlib.figure import Figure
+
 from tfmp.bench import threads as bench_threads
 
 
@@ -188,7 +189,7 @@ def table(cells: list[dict], ratios: dict) -> str:
                 "",
                 f"pipeline: {cell['model']} {cell['result']['rows'][0]['policy']}, global batch "
                 f"{cell['global_batch_size']}, K=2 stages vs the unsplit model (rel)",
-                bench_pipeline.table(cell["result"]["rows"]),
+                pipeline_table(cell["result"]["rows"]),
             ]
     if ratios.get("threads"):
         lines += [
@@ -196,6 +197,24 @@ def table(cells: list[dict], ratios: dict) -> str:
             "compute parallelism (baseline / variant, same run):",
             bench_threads.table(ratios["threads"]),
         ]
+    return "\n".join(lines)
+
+
+def pipeline_table(rows: list[dict]) -> str:
+    """The rows of a pipeline cell (`tfmp.bench.pipeline.measure`) as a plain-text table."""
+    header = f"{'K':>2} {'M':>2} {'img/s':>8} {'rel':>5} {'bubble':>6} {'meas.':>6}"
+    lines = [header + "  per device: parameters / activation MiB"]
+    for row in rows:
+        devices = "  ".join(
+            f"{d['device'][-5:]} {d['parameters']:,} / {d['activation_bytes'] / 2**20:.1f}"
+            for d in row["devices"]
+        )
+        theory = f"{row['bubble_theory']:.2f}" if "bubble_theory" in row else "-"
+        measured = f"{row['bubble_measured']:.2f}" if "bubble_measured" in row else "-"
+        lines.append(
+            f"{row['stages']:>2} {row['micro_batches'] or '-':>2} {row['images_per_second']:8.1f} "
+            f"{row['relative']:5.2f} {theory:>6} {measured:>6}  {devices}"
+        )
     return "\n".join(lines)
 
 
@@ -207,18 +226,13 @@ def _times(value):
     return "" if value is None else f"{value:.2f}x"
 
 
-def chart(cells: list[dict], path: str) -> str | None:
+def chart(cells: list[dict], path: str) -> str:
     """Bar chart of examples/s per precision and device count, one panel per model."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display on servers
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     main = _main_cells(cells)
     model_names = list(dict.fromkeys(c["model"] for c in main))
-    figure, axes = plt.subplots(1, len(model_names), figsize=(6 * len(model_names), 4), squeeze=False)
+    # A bare Figure renders to files through Agg without pyplot: no display, no global state.
+    figure = Figure(figsize=(6 * max(1, len(model_names)), 4))
+    axes = figure.subplots(1, max(1, len(model_names)), squeeze=False)
     for axis, model in zip(axes[0], model_names):
         mine = [c for c in main if c["model"] == model]
         groups = list(dict.fromkeys(f"{_devices(c)}{' xla' if c['xla'] else ''}" for c in mine))
@@ -240,5 +254,4 @@ def chart(cells: list[dict], path: str) -> str | None:
         axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return path
