@@ -9,8 +9,9 @@ device splits, peak memory and compiled graphs never leak between cells. A cell 
      "warmup_executions": 2, "executions": 5, "repeats": 3, "image_size": 32, "cache": false}
 
 `engine` times tfmp's Engine, `fit` the same model and data under plain Keras `model.fit` /
-`predict`, `peak` a large matmul in the precision's compute dtype (the FLOP/s ceiling the
-cells are compared to). A detector name as "model" (`tfmp.detection.retinanet.DETECTORS`) trains
+`predict`, `peak` the best of several square matmuls in the precision's compute dtype (the
+FLOP/s ceiling the cells are compared to; keys "sizes", "repeats", "min_call_seconds", see `tfmp.bench.peak`).
+A detector name as "model" (`tfmp.detection.retinanet.DETECTORS`) trains
 it on the built-in detection `shapes` data (anchors matched in the input pipeline; "synthetic"
 repeats one such batch). Optional keys "intra_op_threads", "inter_op_threads" (set before
 TensorFlow starts) and "data_threads" (tf.data private pool) change the thread settings.
@@ -220,13 +221,18 @@ def measure(cell: dict) -> dict:
     if cell["kind"] == "environment":
         return environment()
     if cell["kind"] == "peak":
-        return bench_peak.measure(cell["precision"])
+        return bench_peak.measure(cell["precision"], cell["sizes"], cell["repeats"], cell["min_call_seconds"])
     if cell["kind"] == "python_threads":
         return python_threads.measure(cell["unit_seconds"])
     # Before anything starts TensorFlow's runtime: it fixes its thread pools then.
     distribute.set_threads(cell.get("intra_op_threads", 0), cell.get("inter_op_threads", 0))
     if cell["kind"] == "pipeline":
         return _measure_pipeline(cell)
+    return _measure_training(cell)
+
+
+def _measure_training(cell: dict) -> dict:
+    """An engine or fit cell: throughput, step times, FLOP/s, peak memory."""
     # Ampere+ GPUs run float32 matmuls in TF32 unless told not to; a no-op elsewhere.
     tf.config.experimental.enable_tensor_float_32_execution(cell.get("tf32", True))
     replicas = cell.get("replicas", 1)
@@ -236,24 +242,35 @@ def measure(cell: dict) -> dict:
         "multi_worker" if multi_worker else ("mirrored" if replicas > 1 else "default")
     )
     policy = precision.resolve(cell["precision"]).policy
+    before_model = _peak_host_memory_mb()  # TensorFlow's runtime and Python, no model yet
     setup = _detector_setup if is_detector(cell["model"]) else _classifier_setup
     model, optimizer, dataset_fn, image_shape = setup(cell, strategy, policy)
     timing = _time_fit if cell["kind"] == "fit" else _time_engine
     repeats = timing(cell, strategy, model, optimizer, dataset_fn, _timer(cell))
-
-    steps = cell["steps_per_execution"]
-    batch = cell["global_batch_size"]
-    step_times = sorted(t / steps for times in repeats for t in times)
-    throughputs = [batch * steps * len(times) / sum(times) for times in repeats]
-    forward_flops = models.count_flops(model, batch)
-    flops_per_step = forward_flops * (3 if cell["mode"] == "train" else 1)
-    median_step = statistics.median(step_times)
     result = {
         "policy": policy,
         "dataset": _dataset_spec(cell),
         "image_shape": list(image_shape),
         "replicas": strategy.num_replicas_in_sync,
         "workers": distribute.describe(strategy).workers,
+        **_speed(cell, model, repeats),
+        **_memory(before_model),
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
+    }
+    result["examples_per_sec_per_replica"] = result["examples_per_sec"] / result["replicas"]
+    return result
+
+
+def _speed(cell: dict, model, repeats: list[list[float]]) -> dict:
+    """Throughput (median and spread of the repeats), step times and FLOP/s."""
+    steps = cell["steps_per_execution"]
+    batch = cell["global_batch_size"]
+    step_times = sorted(t / steps for times in repeats for t in times)
+    throughputs = [batch * steps * len(times) / sum(times) for times in repeats]
+    flops_per_step = models.count_flops(model, batch) * (3 if cell["mode"] == "train" else 1)
+    median_step = statistics.median(step_times)
+    return {
         "examples_per_sec": statistics.median(throughputs),
         "examples_per_sec_min": min(throughputs),
         "examples_per_sec_max": max(throughputs),
@@ -261,13 +278,31 @@ def measure(cell: dict) -> dict:
         "step_time_p90": step_times[min(len(step_times) - 1, int(0.9 * len(step_times)))],
         "flops_per_step": flops_per_step,
         "flops_per_sec": flops_per_step / median_step,
-        "peak_host_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
     }
-    result["examples_per_sec_per_replica"] = result["examples_per_sec"] / result["replicas"]
-    result.update(_gpu_memory())
-    return result
+
+
+def _peak_host_memory_mb() -> float:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _memory(before_model_mb: float) -> dict:
+    """Peak memory of this cell. On GPUs, TensorFlow allocator's peak per GPU (weights, slots,
+    activations, workspaces: what a bigger batch runs out of); on CPUs, the process's peak
+    resident memory, the TensorFlow runtime and Python included (a fresh process per cell makes
+    it this cell's alone; `host_memory_before_model_mb` is that base)."""
+    host = _peak_host_memory_mb()
+    gpus = [
+        tf.config.experimental.get_memory_info(f"GPU:{index}")["peak"] / 2**20
+        for index in range(len(tf.config.list_logical_devices("GPU")))
+    ]
+    return {
+        "peak_memory_mb": max(gpus) if gpus else host,
+        "peak_memory_source": "gpu" if gpus else "host",
+        "peak_host_memory_mb": host,
+        "host_memory_before_model_mb": before_model_mb,
+        "peak_gpu_memory_mb": gpus,
+    }
 
 
 def _measure_pipeline(cell: dict) -> dict:
@@ -282,16 +317,6 @@ def _measure_pipeline(cell: dict) -> dict:
         policy=precision.resolve(cell["precision"]).policy,
     )
     return {"rows": rows}
-
-
-def _gpu_memory() -> dict:
-    gpus = tf.config.list_logical_devices("GPU")
-    if not gpus:
-        return {}
-    return {
-        "peak_gpu_memory_mb": max(tf.config.experimental.get_memory_info(g.name)["peak"] for g in gpus)
-        / 2**20
-    }
 
 
 def main(argv: list[str]) -> int:

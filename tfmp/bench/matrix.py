@@ -60,6 +60,9 @@ class BenchConfig:
     study_model: str = "seed_cnn"  # the classifier of the pipeline and thread studies
     study_image_size: int = 32
     study_batch_size: int = 64
+    peak_sizes: list[int] = dataclasses.field(default_factory=lambda: [1024, 2048, 4096])
+    peak_repeats: int = 3  # timed calls per size; the peak is the best over sizes and repeats
+    peak_min_call_seconds: float = 0.5  # a timed peak call chains matmuls for at least this long
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +100,11 @@ def check(config: BenchConfig) -> None:
         for value in getattr(config, flag):
             if value < 1:
                 raise UsageError(f"--{flag} value {value} must be >= 1")
-    for flag in ("global_batch_size", "steps_per_execution", "executions", "repeats"):
+    for flag in ("global_batch_size", "steps_per_execution", "executions", "repeats", "peak_repeats"):
         if getattr(config, flag) < 1:
             raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")
+    if not config.peak_sizes or min(config.peak_sizes) < 1:
+        raise UsageError(f"--peak_sizes={config.peak_sizes} needs matrix sizes >= 1, e.g. 1024,2048,4096")
     if config.warmup_executions < 1:
         raise UsageError("--warmup_executions must be >= 1: the first call traces and compiles")
     for flag in ("study_image_size", "study_batch_size", "threads_rounds"):
@@ -185,7 +190,15 @@ def cells(config: BenchConfig, environment: Environment) -> list[dict]:
     }
     # One matmul peak per concrete policy ("auto" and "mixed" resolve to one of them here).
     policies = dict.fromkeys(environment.policies[p] for p in config.precisions)
-    result = [{"kind": "peak", "precision": policy} for policy in policies]
+    result = [
+        {
+            "kind": "peak",
+            "precision": policy,
+            "sizes": list(config.peak_sizes),
+            "repeats": config.peak_repeats,
+        }
+        for policy in policies
+    ]
     for model in config.models:
         # Scaling and reference cells cost the most; --ratio_models limits them to some models.
         ratios = not config.ratio_models or model in config.ratio_models
@@ -241,7 +254,7 @@ def cells(config: BenchConfig, environment: Environment) -> list[dict]:
 
 def describe_cell(cell: dict) -> str:
     if cell["kind"] == "peak":
-        return f"matmul peak {cell['precision']}"
+        return f"matmul peak {cell['precision']} (sizes {'/'.join(map(str, cell['sizes']))})"
     if cell["kind"] == "pipeline":
         return (
             f"pipeline {cell['model']} K=2 M={','.join(map(str, cell['micro_batches']))} vs unsplit, "

@@ -12,7 +12,8 @@ matmuls, intra-op pool of 1 thread) on 1 and 2 Python threads; best of REPEATS, 
 from __future__ import annotations
 
 import math
-import multiprocessing
+import subprocess
+import sys
 import threading
 import time
 
@@ -65,15 +66,14 @@ def measure(unit_seconds: float = 1.0) -> dict:
     function on 1/2 Python threads (intra-op pool of 1 thread, so one call uses one core).
     Call in a fresh process: it sets TensorFlow's intra-op pool before TensorFlow starts."""
     count = _calibrate(python_loop, unit_seconds, 100_000)
-    # Processes started (and warmed up) before timing: the figure is the work, not the spawn.
-    # "spawn" because forking a process that has started TensorFlow's threads is unsafe.
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        pool.map(python_loop, [1, 1])
+    # Processes started (and warmed up) before timing: the figure is the work, not the start.
+    with _LoopProcesses(2) as processes:
+        processes.run(1)
         python = _best(
             {
                 "one_thread": lambda: _serial(python_loop, [count, count]),
                 "two_threads": lambda: _on_threads(python_loop, [count, count]),
-                "two_processes": lambda: _timed(pool.map, python_loop, [count, count]),
+                "two_processes": lambda: _timed(processes.run, count),
             },
             REPEATS,
         )
@@ -85,6 +85,44 @@ def measure(unit_seconds: float = 1.0) -> dict:
         "tensorflow_seconds": tensorflow,
         "unit_seconds": unit_seconds,
     }
+
+
+class _LoopProcesses:
+    """Python processes that each run `python_loop(count)` per line of input and answer a line.
+
+    Plain interpreters that import only `tfmp.bench.threads` (no TensorFlow): a multiprocessing
+    pool would re-import this cell's main module, TensorFlow included, in every child, and
+    forking a process that has loaded TensorFlow is unsafe."""
+
+    SCRIPT = (
+        "import sys\nfrom tfmp.bench.threads import python_loop\n"
+        "for line in sys.stdin:\n    python_loop(int(line))\n    print('done', flush=True)\n"
+    )
+
+    def __init__(self, count: int):
+        self.processes = [
+            subprocess.Popen(
+                [sys.executable, "-c", self.SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            for _ in range(count)
+        ]
+
+    def run(self, count: int) -> None:
+        """python_loop(count) in every process at once; returns when all are done."""
+        for process in self.processes:
+            process.stdin.write(f"{count}\n")
+            process.stdin.flush()
+        for process in self.processes:
+            if process.stdout.readline().strip() != "done":
+                raise RuntimeError(f"a python_loop process failed (exit {process.wait()})")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        for process in self.processes:
+            process.stdin.close()
+            process.wait()
 
 
 def _timed(function, *arguments) -> float:

@@ -6,7 +6,8 @@
 
 Every ratio divides two cells of the same run: speedup vs the float32 cell, scaling efficiency
 vs the 1-replica (or 1-worker) cell, tfmp engine vs plain Keras fit, real input vs synthetic
-tensors, achieved model FLOP/s vs the matmul peak of the same precision. The optional studies
+tensors, achieved model FLOP/s vs the matmul peak of the same precision, mixed vs float32
+peak memory (whole, and above the process's size before the model was built). The optional studies
 add their own rows: "pipeline" (each K=2, M row of the pipeline cell: throughput relative to
 the unsplit model, bubble measured and in theory) and "threads" (`tfmp.bench.threads.rows`).
 """
@@ -43,6 +44,8 @@ def derive(cells: list[dict]) -> dict:
         "speedup_vs_float32": [],
         "scaling_efficiency": [],
         "flops_fraction_of_peak": [],
+        "peak_memory_vs_float32": [],
+        "training_memory_vs_float32": [],
         "engine_vs_keras_fit": [],
         "input_vs_synthetic": [],
     }
@@ -63,10 +66,13 @@ def derive(cells: list[dict]) -> dict:
         if result["policy"] in peaks:
             derived["flops_fraction_of_peak"] = result["flops_per_sec"] / peaks[result["policy"]]
             ratios["flops_fraction_of_peak"].append(dict(label, value=derived["flops_fraction_of_peak"]))
-        float32 = throughput(_key(cell, precision="float32", tf32=True))
+        float32 = main.get(_key(cell, precision="float32", tf32=True))
         if float32 and cell["precision"] != "float32":
-            derived["speedup_vs_float32"] = result["examples_per_sec"] / float32
+            derived["speedup_vs_float32"] = result["examples_per_sec"] / float32["result"]["examples_per_sec"]
             ratios["speedup_vs_float32"].append(dict(label, value=derived["speedup_vs_float32"]))
+            for name, value in _memory_ratios(result, float32["result"]).items():
+                derived[name] = value
+                ratios[name].append(dict(label, global_batch_size=cell["global_batch_size"], value=value))
         count = cell["workers"] or cell["replicas"]
         single = throughput(_key(cell, workers=1) if cell["workers"] else _key(cell, replicas=1))
         if single and count > 1:
@@ -96,6 +102,18 @@ def derive(cells: list[dict]) -> dict:
                 )
     ratios["pipeline"] = _pipeline_rows(cells)
     ratios["threads"] = bench_threads.rows(cells)
+    return ratios
+
+
+def _memory_ratios(result: dict, float32: dict) -> dict:
+    """Mixed / float32 peak memory, whole (`peak_memory_mb`) and above the process's size
+    before the model was built (on CPUs that removes the TensorFlow runtime's share)."""
+    ratios = {"peak_memory_vs_float32": result["peak_memory_mb"] / float32["peak_memory_mb"]}
+    if result["peak_memory_source"] == "host":
+        above = float32["peak_memory_mb"] - float32["host_memory_before_model_mb"]
+        if above > 0:
+            mine = result["peak_memory_mb"] - result["host_memory_before_model_mb"]
+            ratios["training_memory_vs_float32"] = mine / above
     return ratios
 
 
@@ -142,7 +160,9 @@ def table(cells: list[dict], ratios: dict) -> str:
         "% peak",
         "vs fp32",
         "scaling",
-        "host MB",
+        "batch",
+        "peak MB",
+        "mem vs fp32",
     )
     rows = []
     for cell in _main_cells(cells):
@@ -162,18 +182,16 @@ def table(cells: list[dict], ratios: dict) -> str:
                 _percent(derived.get("flops_fraction_of_peak")),
                 _times(derived.get("speedup_vs_float32")),
                 _percent(derived.get("scaling_efficiency")),
-                f"{result['peak_host_memory_mb']:,.0f}",
+                str(cell["global_batch_size"]),
+                f"{result['peak_memory_mb']:,.0f} {result['peak_memory_source']}",
+                _times(derived.get("peak_memory_vs_float32")),
             )
         )
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    for cell in cells:
-        if cell["kind"] == "peak":
-            lines.append(
-                f"matmul peak {cell['precision']} ({cell['result']['dtype']}, "
-                f"{cell['result']['matmul_size']}^2): {cell['result']['peak_flops'] / 1e12:.3f} TFLOP/s"
-            )
+    lines += peak_lines(cells)
+    lines += _memory_lines(ratios)
     for name, title in (
         ("engine_vs_keras_fit", "tfmp engine / Keras fit"),
         ("input_vs_synthetic", "real input / synthetic tensors"),
@@ -216,6 +234,42 @@ def pipeline_table(rows: list[dict]) -> str:
             f"{row['relative']:5.2f} {theory:>6} {measured:>6}  {devices}"
         )
     return "\n".join(lines)
+
+
+def _memory_lines(ratios: dict) -> list[str]:
+    above = {_label(row): row["value"] for row in ratios["training_memory_vs_float32"]}
+    lines = []
+    for row in ratios["peak_memory_vs_float32"]:
+        extra = (
+            f" (above the process before the model: {above[_label(row)]:.2f}x)"
+            if _label(row) in above
+            else ""
+        )
+        lines.append(
+            f"peak memory {row['precision']} / float32: {row['model']} batch {row['global_batch_size']} "
+            f"{_devices(row)} xla={'on' if row['xla'] else 'off'}: {row['value']:.2f}x{extra}"
+        )
+    return lines
+
+
+def _label(row: dict) -> tuple:
+    return tuple(value for name, value in row.items() if name != "value")
+
+
+def peak_lines(cells: list[dict]) -> list[str]:
+    """Each precision's matmul peak (what "% peak" divides by), every size's best, the method."""
+    lines = []
+    for cell in cells:
+        if cell["kind"] == "peak":
+            result = cell["result"]
+            sizes = ", ".join(f"{row['size']}: {row['best_flops'] / 1e12:.3f}" for row in result["sizes"])
+            lines.append(
+                f"matmul peak {cell['precision']} ({result['dtype']}): {result['peak_flops'] / 1e12:.3f} "
+                f"TFLOP/s at {result['matmul_size']}^2 (per size {sizes})"
+            )
+    methods = dict.fromkeys(c["result"]["method"] for c in cells if c["kind"] == "peak")
+    lines += [f"peak method: {method}; % peak = model FLOP/s / this peak" for method in methods]
+    return lines
 
 
 def _percent(value):

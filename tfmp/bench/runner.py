@@ -26,8 +26,15 @@ import subprocess
 import sys
 import time
 
-from tfmp.bench import matrix
+from tfmp.bench import matrix, schema
 from tfmp.bench import report as bench_report
+
+MEMORY_NOTE = (
+    "peak_memory_mb: on GPUs TensorFlow's allocator peak (tf.config.experimental.get_memory_info "
+    "'peak', the largest GPU of the cell); on CPUs the cell process's peak resident memory "
+    "(getrusage ru_maxrss), which includes the TensorFlow runtime and Python: "
+    "host_memory_before_model_mb is that base. Multi-worker cells report worker 0."
+)
 
 
 def _command(cell: dict, startup_timeout: float = 120) -> list[str]:
@@ -55,14 +62,23 @@ def measure(cell: dict, timeout: float) -> dict:
         timeout=timeout,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
     )
-    for line in completed.stdout.splitlines():
+    result = parse_result(completed.stdout)
+    if result is None:
+        tail = (completed.stderr or completed.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(
+            f"bench cell '{matrix.describe_cell(cell)}' failed (exit {completed.returncode}): "
+            + " | ".join(tail)
+        )
+    return result
+
+
+def parse_result(stdout: str) -> dict | None:
+    """The cell's result line (worker 0's, `tfmp.launch` prefixes each worker's lines), or None."""
+    for line in stdout.splitlines():
         line = line.split("] ", 1)[1] if line.startswith("[worker 0] ") else line
         if line.startswith(matrix.RESULT_PREFIX):
             return json.loads(line[len(matrix.RESULT_PREFIX) :])
-    tail = (completed.stderr or completed.stdout).strip().splitlines()[-5:]
-    raise RuntimeError(
-        f"bench cell '{matrix.describe_cell(cell)}' failed (exit {completed.returncode}): " + " | ".join(tail)
-    )
+    return None
 
 
 def environment(timeout: float = 600) -> matrix.Environment:
@@ -133,6 +149,7 @@ def run(config: matrix.BenchConfig, progress=print) -> dict:
             f"({time.time() - started:.0f} s so far)"
         )
     report = {
+        "schema_version": schema.SCHEMA_VERSION,
         "config": dataclasses.asdict(config),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "hardware": dict(hardware(), gpus=found.gpus, cpu_fast_bfloat16=found.cpu_fast_bfloat16),
@@ -140,8 +157,11 @@ def run(config: matrix.BenchConfig, progress=print) -> dict:
         "cells": planned,
         "seconds": round(time.time() - started, 1),
         "load_average": {"before": load_before, "after": load_average()},
+        "peak_method": next(c["result"]["method"] for c in planned if c["kind"] == "peak"),
+        "memory_note": MEMORY_NOTE,
     }
     report["ratios"] = bench_report.derive(planned)
+    schema.check(report)  # the file always has exactly the documented fields (docs/bench.md)
     with open(os.path.join(config.output_dir, "bench.json"), "w", encoding="utf-8") as file:
         json.dump(report, file, indent=2)
     report["chart"] = bench_report.chart(planned, os.path.join(config.output_dir, "bench.png"))

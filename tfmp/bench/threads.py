@@ -74,7 +74,7 @@ def python_cell(unit_seconds: float) -> dict:
 
 def python_loop(count: int) -> int:
     """Pure-Python CPU work: holds the GIL the whole time. It lives here, in a module without
-    TensorFlow, because the process pool of `tfmp.bench.python_threads` imports it in its children."""
+    TensorFlow, because the worker processes of `tfmp.bench.python_threads` import it."""
     total = 0
     for index in range(count):
         total += index * index % 7
