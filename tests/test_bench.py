@@ -130,6 +130,17 @@ def test_peak_is_the_best_of_its_sizes_and_repeats():
     assert "16/48 x 2 timed calls of >= 0.01 s" in result["method"]
 
 
+def test_one_peak_cell_per_policy_with_the_configured_method():
+    config = bench.BenchConfig(
+        models=["lenet"], precisions=["float32", "auto", "mixed_bfloat16"], peak_sizes=[8, 16]
+    )
+    peaks = [cell for cell in bench.cells(config, ENVIRONMENT) if cell["kind"] == "peak"]
+    assert peaks == [
+        {"kind": "peak", "precision": policy, "sizes": [8, 16], "repeats": 3, "min_call_seconds": 0.5}
+        for policy in ("float32", "mixed_bfloat16")  # auto is mixed_bfloat16 here: measured once
+    ]
+
+
 def _engine_result(eps, policy="float32", flops=1e9, memory=1000.0, before=600.0):
     return {
         "examples_per_sec": eps,

@@ -196,6 +196,7 @@ def cells(config: BenchConfig, environment: Environment) -> list[dict]:
             "precision": policy,
             "sizes": list(config.peak_sizes),
             "repeats": config.peak_repeats,
+            "min_call_seconds": config.peak_min_call_seconds,
         }
         for policy in policies
     ]
