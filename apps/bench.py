@@ -2,12 +2,15 @@
 
     python -m apps.bench --flagfile=configs/bench_cpu_quick.cfg          # a few minutes on 2 cores
     python -m apps.bench --flagfile=configs/bench_parallelism_cpu.cfg    # detector, pipeline, threads
+    python -m apps.bench --flagfile=configs/bench_memory_cpu.cfg         # peak memory, fp32 vs mixed
     python -m apps.bench --mode=inference --models=seed_cnn,resnet20 --precisions=float32,bfloat16,float16
     python -m apps.bench --models=resnet50 --precisions=float32,mixed_float16 --replicas=1,8 \\
         --image_size=224 --global_batch_size=128 --xla=off,on               # a GPU host
 
 Each cell runs in its own process, warm-up excluded, `--repeats` timed repeats (median and
-spread). Prints the table, writes bench.json (every figure, hardware, versions) and bench.png
+spread), with its peak memory (GPU allocator peak, or the process's peak RSS on CPUs). The
+matmul peak of each precision is the best of --peak_sizes x --peak_repeats, in a fresh process
+like the cells. Prints the table, writes bench.json (schema: docs/bench.md) and bench.png
 into --output_dir. Batch sizes are per 1-replica cell: N replicas or workers get N x the batch
 (weak scaling, as in NVIDIA's tables).
 
@@ -25,9 +28,9 @@ latency p50/p99, throughput at --global_batch_size, size on disk (`tfmp.bench.in
 from absl import flags, logging
 
 from apps import cli
-from tfmp.bench import inference as bench_inference
 from tfmp.bench import matrix as bench
 from tfmp.bench import report as bench_report
+from tfmp.bench import runner as bench_runner
 from tfmp.errors import UsageError
 
 FLAGS = flags.FLAGS
@@ -69,6 +72,9 @@ flags.DEFINE_integer("threads_rounds", 2, "--threads_study: runs of the thread c
 flags.DEFINE_string("study_model", "seed_cnn", "Classifier of the pipeline and thread studies.")
 flags.DEFINE_integer("study_image_size", 32, "Image size of the pipeline and thread studies.")
 flags.DEFINE_integer("study_batch_size", 64, "Global batch of the pipeline and thread studies.")
+flags.DEFINE_list("peak_sizes", ["1024", "2048", "4096"], "Square matmul sizes of the peak (best of).")
+flags.DEFINE_integer("peak_repeats", 3, "Timed calls per peak size (best of).")
+flags.DEFINE_float("peak_min_call_seconds", 0.5, "A timed peak call chains matmuls this long, at least.")
 
 
 def _integers(name: str) -> list[int]:
@@ -87,6 +93,10 @@ def _switches(name: str) -> list[bool]:
 
 
 def _inference_main():
+    # Imported here, not at the top: it imports TensorFlow, and a training matrix's parent
+    # process must not (see tfmp.bench.runner); the inference bench measures in this process.
+    from tfmp.bench import inference as bench_inference
+
     logging.set_verbosity(logging.WARNING)  # TensorFlow's saver chatter from the exports
     config = bench_inference.InferenceBenchConfig(
         models=FLAGS.models,
@@ -134,8 +144,11 @@ def main(argv):
         study_model=FLAGS.study_model,
         study_image_size=FLAGS.study_image_size,
         study_batch_size=FLAGS.study_batch_size,
+        peak_sizes=_integers("peak_sizes"),
+        peak_repeats=FLAGS.peak_repeats,
+        peak_min_call_seconds=FLAGS.peak_min_call_seconds,
     )
-    report = bench.run(config, progress=lambda line: print(line, flush=True))
+    report = bench_runner.run(config, progress=lambda line: print(line, flush=True))
     print()
     print(bench_report.table(report["cells"], report["ratios"]))
     load = report["load_average"]

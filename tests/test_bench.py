@@ -1,20 +1,38 @@
-"""apps.bench end to end in a tiny matrix, its JSON, ratios from its own cells, bad flags."""
+"""apps.bench: bench.json's schema from a tiny real run, ratios from hand-made cells, the matmul
+peak as the best of its sizes, peak memory, a parent that never imports TensorFlow, bad flags.
 
+Timing is never asserted: only that every documented field is there, typed, and that every
+ratio divides the cells it names.
+"""
+
+import ast
+import copy
 import json
-import os
+import pathlib
 
 import pytest
-from conftest import run_python
+from conftest import ROOT, run_python
 
 from tfmp.bench import matrix as bench
+from tfmp.bench import peak as bench_peak
 from tfmp.bench import report as bench_report
+from tfmp.bench import runner as bench_runner
+from tfmp.bench import schema
 from tfmp.errors import UsageError
 
-pytestmark = pytest.mark.slow  # one process per cell
+ENVIRONMENT = bench.Environment(
+    classifiers=["mnist_mlp", "lenet"],
+    detectors=["retinanet_tiny"],
+    policies={"float32": "float32", "auto": "mixed_bfloat16", "mixed_bfloat16": "mixed_bfloat16"},
+    gpus=[],
+    cpu_fast_bfloat16=True,
+    versions={"tensorflow": "2", "keras": "3"},
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
+    """The smallest run with every engine ratio: 2 precisions x 1, 2 replicas, tiny peaks."""
     output = tmp_path_factory.mktemp("bench")
     result = run_python(
         [
@@ -23,14 +41,16 @@ def tiny_report(tmp_path_factory):
             "--models=mnist_mlp",
             "--precisions=float32,mixed_bfloat16",
             "--replicas=1,2",
-            "--workers=1,2",
-            "--data=builtin",
-            "--global_batch_size=32",
+            "--noreferences",
+            "--global_batch_size=16",
             "--steps_per_execution=2",
             "--warmup_executions=1",
-            "--executions=2",
+            "--executions=1",
             "--repeats=2",
             "--min_repeat_seconds=0",
+            "--peak_sizes=32,64",
+            "--peak_repeats=2",
+            "--peak_min_call_seconds=0.01",
             f"--output_dir={output}",
         ],
         timeout=900,
@@ -39,104 +59,97 @@ def tiny_report(tmp_path_factory):
     return output, result.stdout, json.load(open(output / "bench.json"))
 
 
-def test_bench_writes_table_json_and_chart(tiny_report):
+@pytest.mark.slow  # one process per cell
+def test_bench_json_has_the_documented_schema_and_table(tiny_report):
     output, stdout, report = tiny_report
-    assert "examples/s" in stdout and "tfmp engine / Keras fit" in stdout
-    assert "real input / synthetic tensors" in stdout and "matmul peak float32" in stdout
-    assert stdout.count("[1/") == 2  # a progress line before and after each cell
-    assert os.path.getsize(output / "bench.png") > 1000
-    for key in ("config", "date", "hardware", "versions", "cells", "ratios", "seconds"):
-        assert key in report
-    assert {"cpu", "cpu_cores", "gpus", "cpu_fast_bfloat16"} <= set(report["hardware"])
+    schema.check(report)  # every documented field, typed; nothing undocumented
+    assert report["schema_version"] == schema.SCHEMA_VERSION
     assert {"tensorflow", "keras"} <= set(report["versions"])
-
-
-def test_every_engine_cell_has_every_documented_figure(tiny_report):
-    _, _, report = tiny_report
-    engine = [c for c in report["cells"] if c["kind"] == "engine" and not c.get("reference")]
-    assert len(engine) == 2 * 4  # 2 precisions x (1, 2 replicas + 1, 2 workers)
+    assert (output / "bench.png").stat().st_size > 1000
+    assert stdout.count("[1/") == 2  # a progress line before and after each cell
+    assert "peak method: best of square matmuls 32/64 x 2 timed calls of >= 0.01 s" in stdout
+    assert "peak memory mixed_bfloat16 / float32: mnist_mlp batch 16" in stdout
+    engine = [c for c in report["cells"] if c["kind"] == "engine"]
+    assert len(engine) == 4  # 2 precisions x (1, 2 replicas)
     for cell in engine:
         result = cell["result"]
-        for key in (
-            "examples_per_sec",
-            "examples_per_sec_min",
-            "examples_per_sec_max",
-            "examples_per_sec_per_replica",
-            "step_time_median",
-            "step_time_p90",
-            "flops_per_step",
-            "flops_per_sec",
-            "peak_host_memory_mb",
-            "policy",
-        ):
-            assert result[key] is not None, key
         assert result["examples_per_sec_min"] <= result["examples_per_sec"] <= result["examples_per_sec_max"]
         assert result["step_time_median"] <= result["step_time_p90"]
-        assert result["replicas"] == max(cell["replicas"], cell["workers"])
-        assert "flops_fraction_of_peak" in cell["derived"]
-        if cell["workers"] == 2 or cell["replicas"] == 2:
-            assert "scaling_efficiency" in cell["derived"]
-        if cell["precision"] != "float32":
-            assert "speedup_vs_float32" in cell["derived"]
+        assert result["replicas"] == cell["replicas"]
+        assert result["peak_memory_source"] == "host" and result["peak_gpu_memory_mb"] == []
+        assert result["peak_memory_mb"] >= result["host_memory_before_model_mb"] > 0
+        assert len(cell["load_average"]) == 3
 
 
-def test_ratios_are_computed_from_the_measured_cells(tiny_report):
+@pytest.mark.slow
+def test_every_ratio_of_the_run_divides_its_named_cells(tiny_report):
     _, _, report = tiny_report
-    cells = report["cells"]
 
-    def find(**match):
-        found = [c for c in cells if all(c.get(k) == v for k, v in match.items())]
+    def cell(kind, **match):
+        found = [c for c in report["cells"] if c["kind"] == kind and all(c[k] == v for k, v in match.items())]
         assert len(found) == 1, match
         return found[0]["result"]
 
-    one = find(kind="engine", precision="float32", replicas=1, workers=0, data="builtin")
-    two = find(kind="engine", precision="float32", replicas=2, workers=0)
-    fit = find(kind="fit", precision="float32")
-    synthetic = find(kind="engine", precision="float32", reference="input")
-    bf16 = find(kind="engine", precision="mixed_bfloat16", replicas=1, workers=0, data="builtin")
-    peak = find(kind="peak", precision="float32")
-    ratios = report["ratios"]
-
-    def ratio(name, **match):
-        return next(r["value"] for r in ratios[name] if all(r[k] == v for k, v in match.items()))
-
+    one, two = (
+        cell("engine", precision="float32", replicas=1),
+        cell("engine", precision="float32", replicas=2),
+    )
+    half = cell("engine", precision="mixed_bfloat16", replicas=1)
+    peak = cell("peak", precision="float32")
+    ratios = {
+        name: {(row["precision"], row["replicas"]): row["value"] for row in report["ratios"][name]}
+        for name in (
+            "speedup_vs_float32",
+            "scaling_efficiency",
+            "flops_fraction_of_peak",
+            "peak_memory_vs_float32",
+        )
+    }
     eps = "examples_per_sec"
-    assert ratio("engine_vs_keras_fit", precision="float32") == pytest.approx(one[eps] / fit[eps])
-    assert ratio("input_vs_synthetic", precision="float32") == pytest.approx(one[eps] / synthetic[eps])
-    assert ratio("speedup_vs_float32", precision="mixed_bfloat16", replicas=1, workers=0) == pytest.approx(
-        bf16[eps] / one[eps]
-    )
-    assert ratio("scaling_efficiency", precision="float32", replicas=2) == pytest.approx(
-        two[eps] / (2 * one[eps])
-    )
-    assert ratio("flops_fraction_of_peak", precision="float32", replicas=1, workers=0) == pytest.approx(
+    assert ratios["speedup_vs_float32"][("mixed_bfloat16", 1)] == pytest.approx(half[eps] / one[eps])
+    assert ratios["scaling_efficiency"][("float32", 2)] == pytest.approx(two[eps] / (2 * one[eps]))
+    assert ratios["flops_fraction_of_peak"][("float32", 1)] == pytest.approx(
         one["flops_per_sec"] / peak["peak_flops"]
     )
+    assert ratios["peak_memory_vs_float32"][("mixed_bfloat16", 1)] == pytest.approx(
+        half["peak_memory_mb"] / one["peak_memory_mb"]
+    )
+    # The peak is the best of every size and repeat, and says how it was measured.
+    assert [row["size"] for row in peak["sizes"]] == [32, 64]
+    assert peak["peak_flops"] == max(flops for row in peak["sizes"] for flops in row["flops"])
+    assert all(len(row["flops"]) == 2 for row in peak["sizes"])
+    assert report["peak_method"] == peak["method"]
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--models=resnet9"], "unknown model 'resnet9'"),
-        (["--precisions=fp8"], "unknown precision 'fp8'"),
-        (["--replicas=one"], "--replicas=one must be whole numbers"),
-        (["--workers=0"], "--workers value 0 must be >= 1"),
-        (["--xla=maybe"], "--xla value 'maybe' must be off or on"),
-        (["--mode=serve"], "unknown mode 'serve'"),
-        (["--data=imagenet"], "unknown bench data 'imagenet'"),
-    ],
-)
-def test_bad_matrix_flags_are_one_line_errors(tmp_path, args, message):
-    result = run_python(["-m", "apps.bench", *args, f"--output_dir={tmp_path / 'out'}"], timeout=120)
-    assert result.returncode == 2
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr[-1000:]
-    assert not (tmp_path / "out").exists()
+def test_peak_is_the_best_of_its_sizes_and_repeats():
+    result = bench_peak.measure("float32", sizes=(16, 48), repeats=2, min_call_seconds=0.01)
+    assert [row["size"] for row in result["sizes"]] == [16, 48]
+    best = max(result["sizes"], key=lambda row: row["best_flops"])
+    assert result["peak_flops"] == best["best_flops"] == max(best["flops"])
+    assert result["matmul_size"] == best["size"] and result["dtype"] == "float32"
+    assert "16/48 x 2 timed calls of >= 0.01 s" in result["method"]
 
 
-def test_validate_refuses_empty_matrix():
-    with pytest.raises(UsageError, match="--replicas and/or --workers"):
-        bench.validate(bench.BenchConfig(models=["lenet"], precisions=["float32"], replicas=[], workers=[]))
+def test_one_peak_cell_per_policy_with_the_configured_method():
+    config = bench.BenchConfig(
+        models=["lenet"], precisions=["float32", "auto", "mixed_bfloat16"], peak_sizes=[8, 16]
+    )
+    peaks = [cell for cell in bench.cells(config, ENVIRONMENT) if cell["kind"] == "peak"]
+    assert peaks == [
+        {"kind": "peak", "precision": policy, "sizes": [8, 16], "repeats": 3, "min_call_seconds": 0.5}
+        for policy in ("float32", "mixed_bfloat16")  # auto is mixed_bfloat16 here: measured once
+    ]
+
+
+def _engine_result(eps, policy="float32", flops=1e9, memory=1000.0, before=600.0):
+    return {
+        "examples_per_sec": eps,
+        "flops_per_sec": flops,
+        "policy": policy,
+        "peak_memory_mb": memory,
+        "peak_memory_source": "host",
+        "host_memory_before_model_mb": before,
+    }
 
 
 def test_derive_on_hand_made_cells():
@@ -150,20 +163,18 @@ def test_derive_on_hand_made_cells():
             data="builtin",
             replicas=1,
             workers=0,
+            global_batch_size=64,
         )
         base.update(values)
         return base
 
-    def result(eps, policy="float32", flops=1e9):
-        return {"examples_per_sec": eps, "flops_per_sec": flops, "policy": policy}
-
     cells = [
         {"kind": "peak", "precision": "float32", "result": {"peak_flops": 4e9}},
-        dict(cell(), result=result(100.0)),
-        dict(cell(replicas=2), result=result(180.0)),
-        dict(cell(precision="auto"), result=result(150.0, policy="float32")),
-        dict(cell(kind="fit"), result=result(80.0)),
-        dict(cell(data="synthetic", reference="input"), result=result(125.0)),
+        dict(cell(), result=_engine_result(100.0)),
+        dict(cell(replicas=2), result=_engine_result(180.0)),
+        dict(cell(precision="auto"), result=_engine_result(150.0, memory=800.0)),
+        dict(cell(kind="fit"), result=_engine_result(80.0)),
+        dict(cell(data="synthetic", reference="input"), result=_engine_result(125.0)),
     ]
     ratios = bench_report.derive(cells)
     assert ratios["scaling_efficiency"][0]["value"] == pytest.approx(0.9)
@@ -171,3 +182,121 @@ def test_derive_on_hand_made_cells():
     assert ratios["engine_vs_keras_fit"][0]["value"] == pytest.approx(1.25)
     assert ratios["input_vs_synthetic"][0]["value"] == pytest.approx(0.8)
     assert ratios["flops_fraction_of_peak"][0]["value"] == pytest.approx(0.25)
+    assert ratios["peak_memory_vs_float32"][0]["value"] == pytest.approx(0.8)
+    assert ratios["training_memory_vs_float32"][0]["value"] == pytest.approx(200 / 400)
+    assert set(ratios) == set(schema.RATIOS)
+
+
+def test_schema_check_names_the_missing_or_mistyped_field():
+    report = {
+        "schema_version": schema.SCHEMA_VERSION,
+        "date": "today",
+        "seconds": 1.0,
+        "config": {},
+        "hardware": dict.fromkeys(schema.HARDWARE, "x")
+        | {"cpu_cores": 2, "gpus": [], "cpu_fast_bfloat16": True},
+        "versions": {},
+        "load_average": {"before": None, "after": None},
+        "peak_method": "best of",
+        "memory_note": "rss",
+        "cells": [],
+        "ratios": {name: [] for name in schema.RATIOS},
+    }
+    schema.check(report)
+    broken = copy.deepcopy(report)
+    del broken["ratios"]["peak_memory_vs_float32"]
+    with pytest.raises(schema.SchemaError, match="peak_memory_vs_float32"):
+        schema.check(broken)
+    broken = copy.deepcopy(report)
+    broken["cells"] = [{"kind": "peak", "load_average": None, "result": {"peak_flops": "fast"}}]
+    with pytest.raises(schema.SchemaError, match="result: missing"):
+        schema.check(broken)
+
+
+def test_worker_zero_result_line_is_found():
+    line = bench.RESULT_PREFIX + json.dumps({"examples_per_sec": 5.0})
+    assert bench_runner.parse_result(f"noise\n[worker 1] {line[:-3]}\n[worker 0] {line}\n") == {
+        "examples_per_sec": 5.0
+    }
+    assert bench_runner.parse_result("Traceback ...") is None
+
+
+def test_parent_side_never_imports_tensorflow():
+    code = (
+        "import sys, apps.bench, tfmp.bench.runner; "
+        "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))"
+    )
+    result = run_python(["-c", code], timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]
+
+
+def test_no_bench_module_imports_one_that_imports_it_back():
+    """Import graph of tfmp.bench from the source: no cycles, and no import inside a function
+    except apps.bench's (which says why)."""
+    folder = pathlib.Path(ROOT, "tfmp", "bench")
+    graph = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        graph[path.stem] = {
+            alias.name if node.module == "tfmp.bench" else node.module.rsplit(".", 1)[1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tfmp.bench")
+            for alias in node.names
+        }
+        for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            nested = [n for n in ast.walk(function) if isinstance(n, (ast.Import, ast.ImportFrom))]
+            assert not nested, f"tfmp/bench/{path.name}: import inside {function.name}"
+
+    def reachable(start):
+        seen, stack = set(), [start]
+        while stack:
+            for module in graph.get(stack.pop(), ()):
+                if module not in seen:
+                    seen.add(module)
+                    stack.append(module)
+        return seen
+
+    assert [name for name in graph if name in reachable(name)] == []
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--replicas=one"], "--replicas=one must be whole numbers"),  # the app's flag parsing
+        (["--xla=maybe"], "--xla value 'maybe' must be off or on"),
+        (["--peak_sizes=0"], "--peak_sizes=[0] needs matrix sizes >= 1"),  # the matrix's checks
+    ],
+)
+def test_bad_matrix_flags_are_one_line_errors(tmp_path, args, message):
+    result = run_python(["-m", "apps.bench", *args, f"--output_dir={tmp_path / 'out'}"], timeout=120)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-1000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # asks a fresh TensorFlow process for the model names first
+def test_unknown_model_is_a_one_line_error_after_the_environment_cell(tmp_path):
+    result = run_python(["-m", "apps.bench", "--models=resnet9", f"--output_dir={tmp_path / 'out'}"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-1000:]
+    assert "unknown model 'resnet9'; choose one of:" in errors[0] and "retinanet_tiny" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(replicas=[], workers=[]), "--replicas and/or --workers"),
+        (dict(workers=[0]), "--workers value 0 must be >= 1"),
+        (dict(mode="serve"), "unknown mode 'serve'"),
+        (dict(data="imagenet"), "unknown bench data 'imagenet'"),
+        (dict(peak_repeats=0), "--peak_repeats=0 must be >= 1"),
+        (dict(precisions=["fp8"]), "unknown precision 'fp8'"),
+        (dict(models=["resnet9"]), "unknown model 'resnet9'"),
+    ],
+)
+def test_validate_refuses_bad_matrices(changes, message):
+    config = bench.BenchConfig(**dict(dict(models=["lenet"], precisions=["float32"]), **changes))
+    with pytest.raises(UsageError, match=message):
+        bench.validate(config, ENVIRONMENT)

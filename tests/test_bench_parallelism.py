@@ -1,19 +1,31 @@
-"""apps.bench's detector cells, pipeline cell and thread study: planned, run tiny, ratios present.
+"""apps.bench's detector cells, pipeline cell and thread study: planned, one cell of each kind
+run tiny in its own process, ratios from hand-made cells.
 
 Timing is never asserted: only that each cell ran with the settings it asked for and that every
-ratio the README quotes is in bench.json and the printed table.
+ratio the docs quote is derived and printed.
 """
 
-import json
 import math
 
 import pytest
-from conftest import run_python
 
+from tfmp import precision
+from tfmp.bench import cell as bench_cell
 from tfmp.bench import matrix as bench
 from tfmp.bench import report as bench_report
+from tfmp.bench import runner as bench_runner
+from tfmp.bench import schema
 from tfmp.bench import threads as bench_threads
 from tfmp.errors import UsageError
+
+ENVIRONMENT = bench.Environment(
+    classifiers=["seed_cnn", "lenet", "mnist_mlp"],
+    detectors=["retinanet_tiny"],
+    policies={"float32": "float32", "auto": "mixed_bfloat16", "mixed_bfloat16": "mixed_bfloat16"},
+    gpus=[],
+    cpu_fast_bfloat16=True,
+    versions={"tensorflow": "2", "keras": "3"},
+)
 
 
 def _config(**changes):
@@ -31,8 +43,8 @@ def _config(**changes):
 
 def test_cells_plan_detector_pipeline_and_thread_cells():
     config = _config()
-    bench.validate(config)
-    planned = bench.cells(config)
+    bench.validate(config, ENVIRONMENT)
+    planned = bench.cells(config, ENVIRONMENT)
     detector = [c for c in planned if c.get("model") == "retinanet_tiny"]
     assert {(c["kind"], c["precision"], c.get("reference")) for c in detector} == {
         ("engine", "float32", None),
@@ -69,7 +81,7 @@ def test_cells_plan_detector_pipeline_and_thread_cells():
 )
 def test_bad_study_settings_are_one_line_errors(changes, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(")) as error:
-        bench.validate(_config(**changes))
+        bench.validate(_config(**changes), ENVIRONMENT)
     assert "\n" not in str(error.value)
 
 
@@ -144,80 +156,77 @@ def test_study_ratios_and_table_from_hand_made_cells():
     assert "pipeline: seed_cnn float32" in text and " 0.80 " in text
 
 
+def test_environment_cell_reports_what_the_parent_plans_with():
+    found = bench.Environment(**bench_cell.environment())
+    assert {"seed_cnn", "resnet20", "lenet"} <= set(found.classifiers)
+    assert "retinanet_tiny" in found.detectors and found.is_detector("retinanet_tiny")
+    assert set(found.policies) == set(precision.CHOICES)
+    assert set(found.policies.values()) <= set(precision.POLICIES)
+    assert {"tensorflow", "keras"} == set(found.versions)
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    output = tmp_path_factory.mktemp("bench_parallelism")
-    result = run_python(
-        [
-            "-m",
-            "apps.bench",
-            "--models=retinanet_tiny",
-            "--image_size=64",
-            "--global_batch_size=4",
-            "--precisions=float32,mixed_bfloat16",
-            "--data=synthetic",
-            "--pipeline_micro_batches=1,2",
-            "--threads_study",
-            "--study_model=lenet",
-            "--study_batch_size=8",
-            "--threads_rounds=1",
-            "--steps_per_execution=2",
-            "--warmup_executions=1",
-            "--executions=1",
-            "--repeats=1",
-            "--min_repeat_seconds=0",
-            f"--output_dir={output}",
-        ],
-        timeout=1200,
+def tiny_cells():
+    """One planned cell of each study kind, shrunk to seconds."""
+    config = _config(
+        precisions=["mixed_bfloat16"],
+        global_batch_size=4,
+        data="synthetic",
+        pipeline_micro_batches=[1, 2],
+        study_model="lenet",
+        study_batch_size=8,
+        threads_rounds=1,
+        steps_per_execution=2,
+        warmup_executions=1,
+        executions=1,
+        repeats=1,
+        min_repeat_seconds=0,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout, json.load(open(output / "bench.json"))
+    planned = bench.cells(config, ENVIRONMENT)
+    intra = next(c for c in planned if c.get("knob") == "intra_op_threads")
+    return {
+        "detector": next(c for c in planned if c.get("model") == "retinanet_tiny" and c["kind"] == "engine"),
+        "pipeline": next(c for c in planned if c["kind"] == "pipeline"),
+        # The thread-study cell as a Keras-fit cell: one process checks both paths.
+        "threads": dict(intra, kind="fit", steps_per_execution=2),
+        "python": dict(next(c for c in planned if c["kind"] == "python_threads"), unit_seconds=0.05),
+    }
 
 
-@pytest.mark.slow  # one process per cell
-def test_detector_cells_give_images_per_second_and_speedup(tiny_run):
-    stdout, report = tiny_run
-    detector = [c for c in report["cells"] if c.get("model") == "retinanet_tiny"]
-    assert len(detector) == 2
-    for cell in detector:
-        assert cell["result"]["examples_per_sec"] > 0 and cell["result"]["image_shape"] == [64, 64, 3]
-    speedup = [r for r in report["ratios"]["speedup_vs_float32"] if r["model"] == "retinanet_tiny"]
-    assert len(speedup) == 1 and speedup[0]["precision"] == "mixed_bfloat16" and speedup[0]["value"] > 0
-    assert "retinanet_tiny" in stdout and "load average" in stdout
-    assert set(report["load_average"]) == {"before", "after"}
+@pytest.mark.slow  # a process of its own
+def test_detector_cell_gives_images_per_second_with_every_schema_field(tiny_cells):
+    result = bench_runner.measure(tiny_cells["detector"], timeout=600)
+    assert set(result) == set(schema.ENGINE_RESULT)
+    assert result["examples_per_sec"] > 0 and result["image_shape"] == [64, 64, 3]
+    assert result["policy"] == "mixed_bfloat16" and result["peak_memory_mb"] > 0
 
 
 @pytest.mark.slow
-def test_pipeline_cell_rows_in_json_and_table(tiny_run):
-    stdout, report = tiny_run
-    rows = report["ratios"]["pipeline"]
+def test_pipeline_cell_rows_in_ratios_and_table(tiny_cells):
+    cell = dict(tiny_cells["pipeline"], steps=1)
+    cell["result"] = bench_runner.measure(cell, timeout=600)
+    rows = bench_report.derive([cell])["pipeline"]
     assert [row["micro_batches"] for row in rows] == [1, 2]
     assert [row["bubble_theory"] for row in rows] == pytest.approx([0.5, 1 / 3])
     for row in rows:
         assert math.isfinite(row["value"]) and math.isfinite(row["bubble_measured"])
-    cell = next(c for c in report["cells"] if c["kind"] == "pipeline")
     assert len(cell["result"]["rows"][1]["devices"]) == 2  # parameters/activations per device
-    assert "pipeline: lenet" in stdout
+    assert "pipeline: lenet" in bench_report.table([cell], bench_report.derive([cell]))
 
 
 @pytest.mark.slow
-def test_thread_study_cells_ran_with_their_settings_and_give_ratios(tiny_run):
-    stdout, report = tiny_run
-    for cell in (c for c in report["cells"] if c.get("study") == "threads" and c["kind"] == "engine"):
-        if cell["intra_op_threads"]:  # 0 = TensorFlow's default, whatever it resolves to
-            assert cell["result"]["intra_op_threads"] == cell["intra_op_threads"], cell["knob"]
-            assert cell["result"]["inter_op_threads"] == cell["inter_op_threads"], cell["knob"]
-    knobs = {row["knob"]: row for row in report["ratios"]["threads"]}
-    assert set(knobs) == {
-        "intra_op_threads",
-        "inter_op_threads",
-        "data_threads",
-        "steps_per_execution",
-        "tensorflow_defaults",
-        "python_two_threads",
-        "python_two_processes",
-        "tensorflow_two_threads",
-    }
-    for row in knobs.values():
-        assert row["ratio"] > 0 and math.isfinite(row["ratio"])
-    assert "compute parallelism" in stdout and "pure-Python loop: 2 threads vs 1 thread" in stdout
+def test_thread_cell_runs_with_the_threads_it_asked_for(tiny_cells):
+    cell = tiny_cells["threads"]
+    assert (cell["intra_op_threads"], cell["inter_op_threads"]) == (1, bench_threads.THREADS)
+    result = bench_runner.measure(cell, timeout=600)
+    assert (result["intra_op_threads"], result["inter_op_threads"]) == (1, bench_threads.THREADS)
+    assert result["examples_per_sec"] > 0
+
+
+@pytest.mark.slow
+def test_python_threads_cell_gives_every_gil_ratio(tiny_cells):
+    cell = dict(tiny_cells["python"])
+    cell["result"] = bench_runner.measure(cell, timeout=600)
+    knobs = {row["knob"]: row["ratio"] for row in bench_threads.rows([cell])}
+    assert set(knobs) == {"python_two_threads", "python_two_processes", "tensorflow_two_threads"}
+    assert all(ratio > 0 and math.isfinite(ratio) for ratio in knobs.values())

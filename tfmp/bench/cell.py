@@ -1,6 +1,6 @@
 """One benchmark measurement, in a process of its own: `python -m tfmp.bench.cell '<json>'`.
 
-`tfmp.bench` starts one process per cell (through `tfmp.launch` for multi-worker cells) so that
+`tfmp.bench.runner` starts one process per cell (through `tfmp.launch` for multi-worker cells) so that
 device splits, peak memory and compiled graphs never leak between cells. A cell is a dict:
 
     {"kind": "engine" | "fit" | "peak", "model": "resnet20", "precision": "float32",
@@ -9,14 +9,16 @@ device splits, peak memory and compiled graphs never leak between cells. A cell 
      "warmup_executions": 2, "executions": 5, "repeats": 3, "image_size": 32, "cache": false}
 
 `engine` times tfmp's Engine, `fit` the same model and data under plain Keras `model.fit` /
-`predict`, `peak` a large matmul in the precision's compute dtype (the FLOP/s ceiling the
-cells are compared to). A detector name as "model" (`tfmp.detection.retinanet.DETECTORS`) trains
+`predict`, `peak` the best of several square matmuls in the precision's compute dtype (the
+FLOP/s ceiling the cells are compared to; keys "sizes", "repeats", "min_call_seconds", see `tfmp.bench.peak`).
+A detector name as "model" (`tfmp.detection.retinanet.DETECTORS`) trains
 it on the built-in detection `shapes` data (anchors matched in the input pipeline; "synthetic"
 repeats one such batch). Optional keys "intra_op_threads", "inter_op_threads" (set before
 TensorFlow starts) and "data_threads" (tf.data private pool) change the thread settings.
 Two more kinds: `pipeline` (`tfmp.bench.pipeline.measure` rows, "model", "image_size",
 "global_batch_size", "micro_batches", "steps", "repeats", "precision") and `python_threads`
-(`tfmp.bench.threads.measure_python_threads`, "unit_seconds").
+(`tfmp.bench.python_threads.measure`, "unit_seconds"), and `environment` (the names and
+hardware facts the parent plans with, `tfmp.bench.matrix.Environment`).
 The result is printed as one line: `BENCH_RESULT {json}`.
 """
 
@@ -30,14 +32,39 @@ import statistics
 import sys
 import time
 
-RESULT_PREFIX = "BENCH_RESULT "
+import keras
+import tensorflow as tf
+
+from tfmp import models, precision
+from tfmp.bench import peak as bench_peak
+from tfmp.bench import pipeline as bench_pipeline
+from tfmp.bench import python_threads
+from tfmp.bench.matrix import RESULT_PREFIX
+from tfmp.classification import data
+from tfmp.classification.task import compile_classifier
+from tfmp.detection import data as detection_data
+from tfmp.detection import losses, retinanet, targets
+from tfmp.detection.task import compile_detector
+from tfmp.distribute import strategies as distribute
+from tfmp.training.engine import Engine
+
 MNIST_SHAPED = ("mnist_mlp", "lenet")
 
 
 def is_detector(name: str) -> bool:
-    from tfmp.detection import retinanet
-
     return name in retinanet.DETECTORS
+
+
+def environment() -> dict:
+    """What the parent (which never imports TensorFlow) needs to plan: `matrix.Environment`."""
+    return {
+        "classifiers": list(models.MODELS),
+        "detectors": list(retinanet.DETECTORS),
+        "policies": {choice: precision.resolve(choice).policy for choice in precision.CHOICES},
+        "gpus": [gpu.name for gpu in tf.config.list_physical_devices("GPU")],
+        "cpu_fast_bfloat16": precision.detect_hardware().cpu_fast_bfloat16,
+        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
+    }
 
 
 def _dataset_spec(cell: dict) -> str:
@@ -52,47 +79,8 @@ def _image_size(cell: dict, spec: str):
     return None if spec == "digits" or cell["model"] in MNIST_SHAPED else cell.get("image_size")
 
 
-def measure_peak(policy: str) -> dict:
-    """FLOP/s of a large square matmul in the policy's compute dtype, the cells' ceiling."""
-    import tensorflow as tf
-
-    from tfmp import precision
-
-    dtype = precision.compute_dtype(policy)
-    size = 4096 if tf.config.list_physical_devices("GPU") else 1024
-    a = tf.random.uniform([size, size], dtype=tf.float32)
-    a, b = tf.cast(a, dtype), tf.cast(tf.transpose(a), dtype)
-
-    @tf.function
-    def repeat_matmul(count):
-        total = tf.zeros([], tf.float32)
-        for _ in tf.range(count):
-            total += tf.cast(tf.reduce_sum(tf.linalg.matmul(a, b)[0, :1]), tf.float32)
-        return total
-
-    repeat_matmul(tf.constant(2)).numpy()  # compile and warm up
-    count, seconds = 4, 0.0
-    while seconds < 1.0:  # grow until a repeat takes a second: timer noise below 1%
-        count *= 2
-        started = time.perf_counter()
-        repeat_matmul(tf.constant(count)).numpy()
-        seconds = time.perf_counter() - started
-    runs = []
-    for _ in range(3):
-        started = time.perf_counter()
-        repeat_matmul(tf.constant(count)).numpy()
-        runs.append(2 * size**3 * count / (time.perf_counter() - started))
-    return {"peak_flops": max(runs), "matmul_size": size, "dtype": dtype}
-
-
 def _classifier_setup(cell: dict, strategy, policy: str):
     """(compiled classifier, optimizer, dataset_fn(input_context), image shape)."""
-    import keras
-
-    from tfmp import models, precision
-    from tfmp.classification import data
-    from tfmp.classification.task import compile_classifier
-
     spec = _dataset_spec(cell)
     image_size = _image_size(cell, spec)
     info = data.describe(spec, image_size=image_size)
@@ -117,13 +105,6 @@ def _classifier_setup(cell: dict, strategy, policy: str):
 
 def _detector_setup(cell: dict, strategy, policy: str):
     """(compiled detector, optimizer, dataset_fn(input_context), image shape) on `shapes`."""
-    import keras
-
-    from tfmp import precision
-    from tfmp.detection import data as detection_data
-    from tfmp.detection import losses, retinanet, targets
-    from tfmp.detection.task import compile_detector
-
     size = cell["image_size"]
     info = detection_data.describe("shapes", image_size=size)
     matcher = targets.AnchorMatcher(size, retinanet.anchor_config(cell["model"]))
@@ -150,9 +131,6 @@ def _detector_setup(cell: dict, strategy, policy: str):
 
 
 def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
-    from tfmp.classification import data
-    from tfmp.training.engine import Engine
-
     engine = Engine(strategy, model, optimizer, xla=cell["xla"])
     threads = cell.get("data_threads", 0)
     dataset = strategy.distribute_datasets_from_function(
@@ -173,10 +151,6 @@ def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
 
 
 def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
-    import keras
-
-    from tfmp.classification import data
-
     dataset = data.with_threads(dataset_fn(None), cell.get("data_threads", 0))
     with strategy.scope():
         model.compile(
@@ -244,21 +218,21 @@ def _timer(cell):
 
 def measure(cell: dict) -> dict:
     """Runs the cell in this process (devices and thread pools are set here: once per process)."""
+    if cell["kind"] == "environment":
+        return environment()
     if cell["kind"] == "peak":
-        return measure_peak(cell["precision"])
+        return bench_peak.measure(cell["precision"], cell["sizes"], cell["repeats"], cell["min_call_seconds"])
     if cell["kind"] == "python_threads":
-        from tfmp.bench import threads as bench_threads
-
-        return bench_threads.measure_python_threads(cell["unit_seconds"])
-    import tensorflow as tf
-
-    from tfmp import models, precision
-    from tfmp.distribute import strategies as distribute
-
+        return python_threads.measure(cell["unit_seconds"])
     # Before anything starts TensorFlow's runtime: it fixes its thread pools then.
     distribute.set_threads(cell.get("intra_op_threads", 0), cell.get("inter_op_threads", 0))
     if cell["kind"] == "pipeline":
         return _measure_pipeline(cell)
+    return _measure_training(cell)
+
+
+def _measure_training(cell: dict) -> dict:
+    """An engine or fit cell: throughput, step times, FLOP/s, peak memory."""
     # Ampere+ GPUs run float32 matmuls in TF32 unless told not to; a no-op elsewhere.
     tf.config.experimental.enable_tensor_float_32_execution(cell.get("tf32", True))
     replicas = cell.get("replicas", 1)
@@ -268,24 +242,35 @@ def measure(cell: dict) -> dict:
         "multi_worker" if multi_worker else ("mirrored" if replicas > 1 else "default")
     )
     policy = precision.resolve(cell["precision"]).policy
+    before_model = _peak_host_memory_mb()  # TensorFlow's runtime and Python, no model yet
     setup = _detector_setup if is_detector(cell["model"]) else _classifier_setup
     model, optimizer, dataset_fn, image_shape = setup(cell, strategy, policy)
     timing = _time_fit if cell["kind"] == "fit" else _time_engine
     repeats = timing(cell, strategy, model, optimizer, dataset_fn, _timer(cell))
-
-    steps = cell["steps_per_execution"]
-    batch = cell["global_batch_size"]
-    step_times = sorted(t / steps for times in repeats for t in times)
-    throughputs = [batch * steps * len(times) / sum(times) for times in repeats]
-    forward_flops = models.count_flops(model, batch)
-    flops_per_step = forward_flops * (3 if cell["mode"] == "train" else 1)
-    median_step = statistics.median(step_times)
     result = {
         "policy": policy,
         "dataset": _dataset_spec(cell),
         "image_shape": list(image_shape),
         "replicas": strategy.num_replicas_in_sync,
         "workers": distribute.describe(strategy).workers,
+        **_speed(cell, model, repeats),
+        **_memory(before_model),
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
+    }
+    result["examples_per_sec_per_replica"] = result["examples_per_sec"] / result["replicas"]
+    return result
+
+
+def _speed(cell: dict, model, repeats: list[list[float]]) -> dict:
+    """Throughput (median and spread of the repeats), step times and FLOP/s."""
+    steps = cell["steps_per_execution"]
+    batch = cell["global_batch_size"]
+    step_times = sorted(t / steps for times in repeats for t in times)
+    throughputs = [batch * steps * len(times) / sum(times) for times in repeats]
+    flops_per_step = models.count_flops(model, batch) * (3 if cell["mode"] == "train" else 1)
+    median_step = statistics.median(step_times)
+    return {
         "examples_per_sec": statistics.median(throughputs),
         "examples_per_sec_min": min(throughputs),
         "examples_per_sec_max": max(throughputs),
@@ -293,20 +278,35 @@ def measure(cell: dict) -> dict:
         "step_time_p90": step_times[min(len(step_times) - 1, int(0.9 * len(step_times)))],
         "flops_per_step": flops_per_step,
         "flops_per_sec": flops_per_step / median_step,
-        "peak_host_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
     }
-    result["examples_per_sec_per_replica"] = result["examples_per_sec"] / result["replicas"]
-    result.update(_gpu_memory())
-    return result
+
+
+def _peak_host_memory_mb() -> float:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _memory(before_model_mb: float) -> dict:
+    """Peak memory of this cell. On GPUs, TensorFlow allocator's peak per GPU (weights, slots,
+    activations, workspaces: what a bigger batch runs out of); on CPUs, the process's peak
+    resident memory, the TensorFlow runtime and Python included (a fresh process per cell makes
+    it this cell's alone; `host_memory_before_model_mb` is that base)."""
+    host = _peak_host_memory_mb()
+    gpus = [
+        tf.config.experimental.get_memory_info(f"GPU:{index}")["peak"] / 2**20
+        for index in range(len(tf.config.list_logical_devices("GPU")))
+    ]
+    return {
+        "peak_memory_mb": max(gpus) if gpus else host,
+        "peak_memory_source": "gpu" if gpus else "host",
+        "peak_host_memory_mb": host,
+        "host_memory_before_model_mb": before_model_mb,
+        "peak_gpu_memory_mb": gpus,
+    }
 
 
 def _measure_pipeline(cell: dict) -> dict:
     """K=2 pipelines against the unsplit model (`tfmp.bench.pipeline`; it splits the CPU)."""
-    from tfmp import precision
-    from tfmp.bench import pipeline as bench_pipeline
-
     rows = bench_pipeline.measure(
         cell["model"],
         image_size=cell["image_size"],
@@ -317,18 +317,6 @@ def _measure_pipeline(cell: dict) -> dict:
         policy=precision.resolve(cell["precision"]).policy,
     )
     return {"rows": rows}
-
-
-def _gpu_memory() -> dict:
-    import tensorflow as tf
-
-    gpus = tf.config.list_logical_devices("GPU")
-    if not gpus:
-        return {}
-    return {
-        "peak_gpu_memory_mb": max(tf.config.experimental.get_memory_info(g.name)["peak"] for g in gpus)
-        / 2**20
-    }
 
 
 def main(argv: list[str]) -> int:

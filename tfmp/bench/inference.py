@@ -24,9 +24,15 @@ import statistics
 import tempfile
 import time
 
+import keras
 import numpy as np
+import tensorflow as tf
 
+from tfmp import models, precision
+from tfmp.bench.runner import hardware
 from tfmp.errors import UsageError, unknown
+from tfmp.serving import export
+from tfmp.serving import predictors as inference
 
 MNIST_SHAPED = ("mnist_mlp", "lenet")
 
@@ -45,9 +51,6 @@ class InferenceBenchConfig:
 
 def resolve_precisions(names) -> list[str]:
     """Export precisions; "auto" is the half dtype this hardware computes fastest (or float32)."""
-    from tfmp import precision
-    from tfmp.serving import export
-
     resolved = []
     for name in names:
         if name == "auto":
@@ -61,9 +64,6 @@ def resolve_precisions(names) -> list[str]:
 
 
 def _validate(config: InferenceBenchConfig) -> None:
-    from tfmp import models
-    from tfmp.serving import export
-
     for name in config.models:
         if name not in models.MODELS:
             raise unknown("model", name, models.MODELS)
@@ -76,9 +76,6 @@ def _validate(config: InferenceBenchConfig) -> None:
 
 def _artifacts(model, name: str, precisions, formats, directory: str) -> list[dict]:
     """Exports `model` in every precision; returns one entry per artifact to time."""
-    from tfmp.serving import export
-    from tfmp.serving import predictors as inference
-
     entries = [
         {
             "model": name,
@@ -89,21 +86,21 @@ def _artifacts(model, name: str, precisions, formats, directory: str) -> list[di
         }
     ]
     tflite_seen = set()
-    for precision in precisions:
-        export.export(model, directory, formats, precision)
+    for export_precision in precisions:
+        export.export(model, directory, formats, export_precision)
         for form in formats:
             path = os.path.join(
                 directory,
-                precision,
+                export_precision,
                 {
                     "saved_model": export.SAVED_MODEL_DIR,
                     "tflite": export.TFLITE_FILE,
                     "keras": export.KERAS_FILE,
                 }[form],
             )
-            label = precision
+            label = export_precision
             if form == "tflite":  # every half precision exports the same float16-weight file
-                label = "float32" if precision == "float32" else "float16 weights"
+                label = "float32" if export_precision == "float32" else "float16 weights"
                 if label in tflite_seen:
                     continue
                 tflite_seen.add(label)
@@ -206,12 +203,6 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
     """Exports, measures and reports every model; writes OUTPUT_DIR/inference_bench.json."""
     _validate(config)
     precisions = resolve_precisions(config.precisions)
-    import keras
-    import tensorflow as tf
-
-    from tfmp import models
-    from tfmp.bench import matrix as bench
-
     # Each .keras artifact gets its own tf.function, traced once; TensorFlow counts those first
     # traces across instances and warns about "retracing", which here is expected.
     tf.get_logger().addFilter(lambda record: "triggered tf.function retracing" not in record.getMessage())
@@ -231,7 +222,7 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
         "config": dataclasses.asdict(config),
         "precisions": precisions,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "hardware": bench.hardware(),
+        "hardware": hardware(),
         "load_average": {"start": load_at_start, "end": os.getloadavg()},
         "seconds": round(time.time() - started, 1),
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},

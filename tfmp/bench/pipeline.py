@@ -28,14 +28,19 @@ import contextlib
 import math
 import time
 
+import keras
 import numpy as np
+import tensorflow as tf
+
+from tfmp import models, precision
+from tfmp.bench.report import pipeline_table as table  # noqa: F401  (the rows' table, parent side)
+from tfmp.classification.task import compile_classifier
+from tfmp.distribute import strategies as distribute
+from tfmp.pipeline import plan as pipeline
+from tfmp.training.engine import Engine
 
 
 def _devices():
-    import tensorflow as tf
-
-    from tfmp.distribute import strategies as distribute
-
     if not tf.config.list_physical_devices("GPU"):  # listing logical devices would start TF
         distribute.split_cpu(2)  # refuses (one line) when TensorFlow already runs on one device
     return [
@@ -46,14 +51,6 @@ def _devices():
 
 def _build(model_name, image_size, policy, devices=None, micro_batches=1):
     """A compiled classifier and its engine: unsplit (devices None) or a 2-stage pipeline."""
-    import keras
-    import tensorflow as tf
-
-    from tfmp import models, precision
-    from tfmp.classification.task import compile_classifier
-    from tfmp.pipeline import plan as pipeline
-    from tfmp.training.engine import Engine
-
     keras.utils.set_random_seed(0)
     strategy = tf.distribute.get_strategy()
     model = models.build(model_name, (image_size, image_size, 3), 10, dtype=policy)
@@ -83,8 +80,6 @@ def _round_robin(runs, steps: int, repeats: int) -> list[float]:
 
 def _stage_run(stage, rows: int, micro_batches: int):
     """`run(count)`: `count` steps of stage `stage` alone, forward + backward of M micro-batches."""
-    import tensorflow as tf
-
     spec = stage.model.inputs[0]
     with tf.device(stage.device):
         inputs = tf.cast(tf.random.uniform([rows // micro_batches, *spec.shape[1:]]), spec.dtype)
@@ -109,8 +104,6 @@ def _stage_run(stage, rows: int, micro_batches: int):
 
 def _memory(model, plan, rows):
     """Per device: (parameters, parameter bytes with SGD momentum, activation bytes)."""
-    import keras
-
     groups = [stage.layers for stage in plan.stages] if plan else [[layer.name for layer in model.layers]]
     result = []
     for names in groups:
@@ -141,8 +134,6 @@ def measure(
     policy: str = "float32",
 ) -> list[dict]:
     """Rows for the unsplit model and K=2 pipelines with each M; see the module docstring."""
-    import tensorflow as tf
-
     devices = _devices()
     rng = np.random.default_rng(0)
     images = rng.random((global_batch, image_size, image_size, 3), dtype=np.float32)
@@ -194,21 +185,3 @@ def _row(engine, plan, micro, step, busy, global_batch, policy, devices) -> dict
     for device, stage in zip(row["devices"], plan.stages):
         device["device"] = stage.device
     return row
-
-
-def table(rows: list[dict]) -> str:
-    """The rows as a plain-text table."""
-    header = f"{'K':>2} {'M':>2} {'img/s':>8} {'rel':>5} {'bubble':>6} {'meas.':>6}"
-    lines = [header + "  per device: parameters / activation MiB"]
-    for row in rows:
-        devices = "  ".join(
-            f"{d['device'][-5:]} {d['parameters']:,} / {d['activation_bytes'] / 2**20:.1f}"
-            for d in row["devices"]
-        )
-        theory = f"{row['bubble_theory']:.2f}" if "bubble_theory" in row else "-"
-        measured = f"{row['bubble_measured']:.2f}" if "bubble_measured" in row else "-"
-        lines.append(
-            f"{row['stages']:>2} {row['micro_batches'] or '-':>2} {row['images_per_second']:8.1f} "
-            f"{row['relative']:5.2f} {theory:>6} {measured:>6}  {devices}"
-        )
-    return "\n".join(lines)

@@ -6,14 +6,16 @@
 
 Every ratio divides two cells of the same run: speedup vs the float32 cell, scaling efficiency
 vs the 1-replica (or 1-worker) cell, tfmp engine vs plain Keras fit, real input vs synthetic
-tensors, achieved model FLOP/s vs the matmul peak of the same precision. The optional studies
+tensors, achieved model FLOP/s vs the matmul peak of the same precision, mixed vs float32
+peak memory (whole, and above the process's size before the model was built). The optional studies
 add their own rows: "pipeline" (each K=2, M row of the pipeline cell: throughput relative to
 the unsplit model, bubble measured and in theory) and "threads" (`tfmp.bench.threads.rows`).
 """
 
 from __future__ import annotations
 
-from tfmp.bench import pipeline as bench_pipeline
+from matplotlib.figure import Figure
+
 from tfmp.bench import threads as bench_threads
 
 
@@ -42,6 +44,8 @@ def derive(cells: list[dict]) -> dict:
         "speedup_vs_float32": [],
         "scaling_efficiency": [],
         "flops_fraction_of_peak": [],
+        "peak_memory_vs_float32": [],
+        "training_memory_vs_float32": [],
         "engine_vs_keras_fit": [],
         "input_vs_synthetic": [],
     }
@@ -62,10 +66,13 @@ def derive(cells: list[dict]) -> dict:
         if result["policy"] in peaks:
             derived["flops_fraction_of_peak"] = result["flops_per_sec"] / peaks[result["policy"]]
             ratios["flops_fraction_of_peak"].append(dict(label, value=derived["flops_fraction_of_peak"]))
-        float32 = throughput(_key(cell, precision="float32", tf32=True))
+        float32 = main.get(_key(cell, precision="float32", tf32=True))
         if float32 and cell["precision"] != "float32":
-            derived["speedup_vs_float32"] = result["examples_per_sec"] / float32
+            derived["speedup_vs_float32"] = result["examples_per_sec"] / float32["result"]["examples_per_sec"]
             ratios["speedup_vs_float32"].append(dict(label, value=derived["speedup_vs_float32"]))
+            for name, value in _memory_ratios(result, float32["result"]).items():
+                derived[name] = value
+                ratios[name].append(dict(label, global_batch_size=cell["global_batch_size"], value=value))
         count = cell["workers"] or cell["replicas"]
         single = throughput(_key(cell, workers=1) if cell["workers"] else _key(cell, replicas=1))
         if single and count > 1:
@@ -95,6 +102,18 @@ def derive(cells: list[dict]) -> dict:
                 )
     ratios["pipeline"] = _pipeline_rows(cells)
     ratios["threads"] = bench_threads.rows(cells)
+    return ratios
+
+
+def _memory_ratios(result: dict, float32: dict) -> dict:
+    """Mixed / float32 peak memory, whole (`peak_memory_mb`) and above the process's size
+    before the model was built (on CPUs that removes the TensorFlow runtime's share)."""
+    ratios = {"peak_memory_vs_float32": result["peak_memory_mb"] / float32["peak_memory_mb"]}
+    if result["peak_memory_source"] == "host":
+        above = float32["peak_memory_mb"] - float32["host_memory_before_model_mb"]
+        if above > 0:
+            mine = result["peak_memory_mb"] - result["host_memory_before_model_mb"]
+            ratios["training_memory_vs_float32"] = mine / above
     return ratios
 
 
@@ -141,7 +160,9 @@ def table(cells: list[dict], ratios: dict) -> str:
         "% peak",
         "vs fp32",
         "scaling",
-        "host MB",
+        "batch",
+        "peak MB",
+        "mem vs fp32",
     )
     rows = []
     for cell in _main_cells(cells):
@@ -161,18 +182,16 @@ def table(cells: list[dict], ratios: dict) -> str:
                 _percent(derived.get("flops_fraction_of_peak")),
                 _times(derived.get("speedup_vs_float32")),
                 _percent(derived.get("scaling_efficiency")),
-                f"{result['peak_host_memory_mb']:,.0f}",
+                str(cell["global_batch_size"]),
+                f"{result['peak_memory_mb']:,.0f} {result['peak_memory_source']}",
+                _times(derived.get("peak_memory_vs_float32")),
             )
         )
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    for cell in cells:
-        if cell["kind"] == "peak":
-            lines.append(
-                f"matmul peak {cell['precision']} ({cell['result']['dtype']}, "
-                f"{cell['result']['matmul_size']}^2): {cell['result']['peak_flops'] / 1e12:.3f} TFLOP/s"
-            )
+    lines += peak_lines(cells)
+    lines += _memory_lines(ratios)
     for name, title in (
         ("engine_vs_keras_fit", "tfmp engine / Keras fit"),
         ("input_vs_synthetic", "real input / synthetic tensors"),
@@ -188,7 +207,7 @@ def table(cells: list[dict], ratios: dict) -> str:
                 "",
                 f"pipeline: {cell['model']} {cell['result']['rows'][0]['policy']}, global batch "
                 f"{cell['global_batch_size']}, K=2 stages vs the unsplit model (rel)",
-                bench_pipeline.table(cell["result"]["rows"]),
+                pipeline_table(cell["result"]["rows"]),
             ]
     if ratios.get("threads"):
         lines += [
@@ -199,6 +218,60 @@ def table(cells: list[dict], ratios: dict) -> str:
     return "\n".join(lines)
 
 
+def pipeline_table(rows: list[dict]) -> str:
+    """The rows of a pipeline cell (`tfmp.bench.pipeline.measure`) as a plain-text table."""
+    header = f"{'K':>2} {'M':>2} {'img/s':>8} {'rel':>5} {'bubble':>6} {'meas.':>6}"
+    lines = [header + "  per device: parameters / activation MiB"]
+    for row in rows:
+        devices = "  ".join(
+            f"{d['device'][-5:]} {d['parameters']:,} / {d['activation_bytes'] / 2**20:.1f}"
+            for d in row["devices"]
+        )
+        theory = f"{row['bubble_theory']:.2f}" if "bubble_theory" in row else "-"
+        measured = f"{row['bubble_measured']:.2f}" if "bubble_measured" in row else "-"
+        lines.append(
+            f"{row['stages']:>2} {row['micro_batches'] or '-':>2} {row['images_per_second']:8.1f} "
+            f"{row['relative']:5.2f} {theory:>6} {measured:>6}  {devices}"
+        )
+    return "\n".join(lines)
+
+
+def _memory_lines(ratios: dict) -> list[str]:
+    above = {_label(row): row["value"] for row in ratios["training_memory_vs_float32"]}
+    lines = []
+    for row in ratios["peak_memory_vs_float32"]:
+        extra = (
+            f" (above the process before the model: {above[_label(row)]:.2f}x)"
+            if _label(row) in above
+            else ""
+        )
+        lines.append(
+            f"peak memory {row['precision']} / float32: {row['model']} batch {row['global_batch_size']} "
+            f"{_devices(row)} xla={'on' if row['xla'] else 'off'}: {row['value']:.2f}x{extra}"
+        )
+    return lines
+
+
+def _label(row: dict) -> tuple:
+    return tuple(value for name, value in row.items() if name != "value")
+
+
+def peak_lines(cells: list[dict]) -> list[str]:
+    """Each precision's matmul peak (what "% peak" divides by), every size's best, the method."""
+    lines = []
+    for cell in cells:
+        if cell["kind"] == "peak":
+            result = cell["result"]
+            sizes = ", ".join(f"{row['size']}: {row['best_flops'] / 1e12:.3f}" for row in result["sizes"])
+            lines.append(
+                f"matmul peak {cell['precision']} ({result['dtype']}): {result['peak_flops'] / 1e12:.3f} "
+                f"TFLOP/s at {result['matmul_size']}^2 (per size {sizes})"
+            )
+    methods = dict.fromkeys(c["result"]["method"] for c in cells if c["kind"] == "peak")
+    lines += [f"peak method: {method}; % peak = model FLOP/s / this peak" for method in methods]
+    return lines
+
+
 def _percent(value):
     return "" if value is None else f"{100 * value:.1f}%"
 
@@ -207,18 +280,13 @@ def _times(value):
     return "" if value is None else f"{value:.2f}x"
 
 
-def chart(cells: list[dict], path: str) -> str | None:
+def chart(cells: list[dict], path: str) -> str:
     """Bar chart of examples/s per precision and device count, one panel per model."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display on servers
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     main = _main_cells(cells)
     model_names = list(dict.fromkeys(c["model"] for c in main))
-    figure, axes = plt.subplots(1, len(model_names), figsize=(6 * len(model_names), 4), squeeze=False)
+    # A bare Figure renders to files through Agg without pyplot: no display, no global state.
+    figure = Figure(figsize=(6 * max(1, len(model_names)), 4))
+    axes = figure.subplots(1, max(1, len(model_names)), squeeze=False)
     for axis, model in zip(axes[0], model_names):
         mine = [c for c in main if c["model"] == model]
         groups = list(dict.fromkeys(f"{_devices(c)}{' xla' if c['xla'] else ''}" for c in mine))
@@ -240,5 +308,4 @@ def chart(cells: list[dict], path: str) -> str | None:
         axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return path

@@ -1,0 +1,168 @@
+"""Runs a benchmark matrix: plans the cells, measures each in a fresh process, writes the report.
+
+    from tfmp.bench import matrix, runner
+    report = runner.run(matrix.BenchConfig(models=["resnet20"], precisions=["float32", "auto"],
+                                           output_dir="/tmp/bench"))
+
+Every cell runs as `python -m tfmp.bench.cell '<json>'` (multi-worker cells through
+`tfmp.launch`, one CPU core or GPU share per worker), warm-up excluded, `repeats` timed repeats
+reported as median and min-max spread; ratios come only from cells measured in the same run
+(`tfmp.bench.report`). Writes `bench.json`, `bench.png` and returns the report.
+
+This parent process never imports TensorFlow. A TensorFlow runtime here would hold threads,
+host memory and (on a GPU host) a CUDA context on every GPU while the cells run: it would
+compete with the cells for the cores and take device memory they measure. What only
+TensorFlow knows (model names, what "auto" resolves to on this hardware, the GPUs, versions)
+is asked of a fresh cell process first (`{"kind": "environment"}`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+from tfmp.bench import matrix, schema
+from tfmp.bench import report as bench_report
+
+MEMORY_NOTE = (
+    "peak_memory_mb: on GPUs TensorFlow's allocator peak (tf.config.experimental.get_memory_info "
+    "'peak', the largest GPU of the cell); on CPUs the cell process's peak resident memory "
+    "(getrusage ru_maxrss), which includes the TensorFlow runtime and Python: "
+    "host_memory_before_model_mb is that base. Multi-worker cells report worker 0."
+)
+
+
+def _command(cell: dict, startup_timeout: float = 120) -> list[str]:
+    runner = [sys.executable, "-m", "tfmp.bench.cell", json.dumps(cell)]
+    if cell.get("workers"):
+        return [
+            sys.executable,
+            "-m",
+            "tfmp.launch",
+            f"--workers={cell['workers']}",
+            "--devices_per_worker=1",
+            f"--startup_timeout={startup_timeout:g}",
+            "--",
+            *runner,
+        ]
+    return runner
+
+
+def measure(cell: dict, timeout: float) -> dict:
+    """Runs one cell in a fresh process; returns its result (worker 0's for a group)."""
+    completed = subprocess.run(
+        _command(cell),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    result = parse_result(completed.stdout)
+    if result is None:
+        tail = (completed.stderr or completed.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(
+            f"bench cell '{matrix.describe_cell(cell)}' failed (exit {completed.returncode}): "
+            + " | ".join(tail)
+        )
+    return result
+
+
+def parse_result(stdout: str) -> dict | None:
+    """The cell's result line (worker 0's, `tfmp.launch` prefixes each worker's lines), or None."""
+    for line in stdout.splitlines():
+        line = line.split("] ", 1)[1] if line.startswith("[worker 0] ") else line
+        if line.startswith(matrix.RESULT_PREFIX):
+            return json.loads(line[len(matrix.RESULT_PREFIX) :])
+    return None
+
+
+def environment(timeout: float = 600) -> matrix.Environment:
+    """Model names, precision policies, GPUs and versions, from a fresh cell process."""
+    return matrix.Environment(**measure({"kind": "environment"}, timeout))
+
+
+def _headline(result: dict) -> str:
+    """The one figure a progress line shows for a cell's result."""
+    if "examples_per_sec" in result:
+        return f"{result['examples_per_sec']:,.1f} examples/s"
+    if "peak_flops" in result:
+        return f"{result['peak_flops'] / 1e9:,.1f} GFLOP/s"
+    if "rows" in result:
+        return (
+            "pipeline rows "
+            + ", ".join(f"{row['relative']:.2f}x" for row in result["rows"][1:])
+            + " of unsplit"
+        )
+    seconds = result["python_seconds"]
+    return (
+        f"pure Python 2 threads {seconds['one_thread'] / seconds['two_threads']:.2f}x, "
+        f"2 processes {seconds['one_thread'] / seconds['two_processes']:.2f}x of 1 thread"
+    )
+
+
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages: how busy the (shared) machine was around the run."""
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def hardware() -> dict:
+    info = {
+        "machine": platform.machine(),
+        "cpu_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "cpu": platform.processor(),
+    }
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            info["cpu"] = next(
+                line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")
+            )
+        with open("/proc/meminfo", encoding="utf-8") as meminfo:
+            info["memory_gb"] = round(int(meminfo.readline().split()[1]) / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
+def run(config: matrix.BenchConfig, progress=print) -> dict:
+    """Measures every cell, derives the ratios, writes bench.json and bench.png."""
+    matrix.check(config)  # before the environment process: plain mistakes fail at once
+    found = environment(config.cell_timeout)
+    matrix.check_names(config, found)
+    planned = matrix.cells(config, found)
+    os.makedirs(config.output_dir, exist_ok=True)
+    started, load_before = time.time(), load_average()
+    for index, cell in enumerate(planned, 1):
+        progress(f"[{index}/{len(planned)}] {matrix.describe_cell(cell)} ...")
+        cell["result"] = measure(cell, config.cell_timeout)
+        cell["load_average"] = load_average()  # the machine may be shared: how busy it was around this cell
+        progress(
+            f"[{index}/{len(planned)}] {matrix.describe_cell(cell)}: {_headline(cell['result'])} "
+            f"({time.time() - started:.0f} s so far)"
+        )
+    report = {
+        "schema_version": schema.SCHEMA_VERSION,
+        "config": dataclasses.asdict(config),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "hardware": dict(hardware(), gpus=found.gpus, cpu_fast_bfloat16=found.cpu_fast_bfloat16),
+        "versions": found.versions,
+        "cells": planned,
+        "seconds": round(time.time() - started, 1),
+        "load_average": {"before": load_before, "after": load_average()},
+        "peak_method": next(c["result"]["method"] for c in planned if c["kind"] == "peak"),
+        "memory_note": MEMORY_NOTE,
+    }
+    report["ratios"] = bench_report.derive(planned)
+    schema.check(report)  # the file always has exactly the documented fields (docs/bench.md)
+    with open(os.path.join(config.output_dir, "bench.json"), "w", encoding="utf-8") as file:
+        json.dump(report, file, indent=2)
+    report["chart"] = bench_report.chart(planned, os.path.join(config.output_dir, "bench.png"))
+    return report

@@ -1,0 +1,166 @@
+"""The schema of `bench.json` (documented field by field in docs/bench.md), and its check.
+
+    from tfmp.bench import schema
+    schema.check(json.load(open("bench/bench.json")))    # raises SchemaError naming the field
+
+`tfmp.bench.runner` checks every report against it before writing, so the file always has
+exactly these fields. A change that renames, removes or retypes a field raises SCHEMA_VERSION.
+Types: "number" (int or float), "integer", "string", "boolean", "list", "object"; a trailing
+"?" allows null (e.g. a load average where the OS has none).
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+
+REPORT = {
+    "schema_version": "integer",
+    "date": "string",
+    "seconds": "number",
+    "config": "object",
+    "hardware": "object",
+    "versions": "object",
+    "load_average": "object",
+    "peak_method": "string",
+    "cells": "list",
+    "ratios": "object",
+    "memory_note": "string",
+}
+HARDWARE = {
+    "machine": "string",
+    "cpu": "string",
+    "cpu_cores": "integer",
+    "python": "string",
+    "gpus": "list",
+    "cpu_fast_bfloat16": "boolean",
+}
+# Every measured cell, whatever its kind; its other keys are the settings it was planned with.
+CELL = {"kind": "string", "result": "object", "load_average": "list?"}
+# The settings of an engine or fit cell (kind "engine" | "fit").
+ENGINE_CELL = {
+    "model": "string",
+    "precision": "string",
+    "xla": "boolean",
+    "tf32": "boolean",
+    "replicas": "integer",
+    "workers": "integer",
+    "global_batch_size": "integer",
+    "image_size": "integer",
+    "data": "string",
+    "mode": "string",
+    "steps_per_execution": "integer",
+    "repeats": "integer",
+}
+ENGINE_RESULT = {
+    "policy": "string",
+    "dataset": "string",
+    "image_shape": "list",
+    "replicas": "integer",
+    "workers": "integer",
+    "examples_per_sec": "number",
+    "examples_per_sec_min": "number",
+    "examples_per_sec_max": "number",
+    "examples_per_sec_per_replica": "number",
+    "step_time_median": "number",
+    "step_time_p90": "number",
+    "flops_per_step": "number",
+    "flops_per_sec": "number",
+    "peak_memory_mb": "number",
+    "peak_memory_source": "string",
+    "peak_host_memory_mb": "number",
+    "host_memory_before_model_mb": "number",
+    "peak_gpu_memory_mb": "list",
+    "intra_op_threads": "integer",
+    "inter_op_threads": "integer",
+}
+PEAK_RESULT = {
+    "peak_flops": "number",
+    "matmul_size": "integer",
+    "dtype": "string",
+    "sizes": "list",
+    "method": "string",
+}
+PEAK_SIZE = {"size": "integer", "matmuls_per_call": "integer", "flops": "list", "best_flops": "number"}
+# Ratio name -> the fields of each of its rows.
+_DEVICE_LABEL = {
+    "model": "string",
+    "precision": "string",
+    "tf32": "boolean",
+    "xla": "boolean",
+    "replicas": "integer",
+    "workers": "integer",
+    "value": "number",
+}
+_REFERENCE_LABEL = {"model": "string", "precision": "string", "xla": "boolean", "value": "number"}
+RATIOS = {
+    "speedup_vs_float32": _DEVICE_LABEL,
+    "scaling_efficiency": _DEVICE_LABEL,
+    "flops_fraction_of_peak": _DEVICE_LABEL,
+    "peak_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
+    "training_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
+    "engine_vs_keras_fit": _REFERENCE_LABEL,
+    "input_vs_synthetic": _REFERENCE_LABEL,
+    "pipeline": {
+        "model": "string",
+        "stages": "integer",
+        "micro_batches": "integer",
+        "value": "number",
+        "bubble_theory": "number",
+        "bubble_measured": "number",
+    },
+    "threads": {
+        "knob": "string",
+        "setting": "string",
+        "value": "number",
+        "reference": "number",
+        "unit": "string",
+        "ratio": "number",
+    },
+}
+
+
+class SchemaError(ValueError):
+    """A report that does not match the schema: a bug in the bench, never a user error."""
+
+
+def _is(value, kind: str) -> bool:
+    if kind.endswith("?"):
+        return value is None or _is(value, kind[:-1])
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    types = {"string": str, "boolean": bool, "list": list, "object": dict}
+    return isinstance(value, types[kind])
+
+
+def _fields(where: str, record: dict, fields: dict, exact: bool = False) -> None:
+    missing = [name for name in fields if name not in record]
+    extra = sorted(set(record) - set(fields)) if exact else []
+    if missing or extra:
+        raise SchemaError(f"{where}: missing {missing}, unexpected {extra}")
+    for name, kind in fields.items():
+        if not _is(record[name], kind):
+            raise SchemaError(f"{where}.{name} = {record[name]!r} is not {kind}")
+
+
+def check(report: dict) -> None:
+    """Raises SchemaError at the first field that is missing, extra (where exact) or mistyped."""
+    _fields("report", report, REPORT, exact=True)
+    if report["schema_version"] != SCHEMA_VERSION:
+        raise SchemaError(f"report.schema_version {report['schema_version']} is not {SCHEMA_VERSION}")
+    _fields("report.hardware", report["hardware"], HARDWARE)
+    for index, cell in enumerate(report["cells"]):
+        where = f"report.cells[{index}]"
+        _fields(where, cell, CELL)
+        if cell["kind"] in ("engine", "fit"):
+            _fields(where, cell, ENGINE_CELL)
+            _fields(f"{where}.result", cell["result"], ENGINE_RESULT, exact=True)
+        elif cell["kind"] == "peak":
+            _fields(f"{where}.result", cell["result"], PEAK_RESULT, exact=True)
+            for size in cell["result"]["sizes"]:
+                _fields(f"{where}.result.sizes[]", size, PEAK_SIZE, exact=True)
+    _fields("report.ratios", report["ratios"], dict.fromkeys(RATIOS, "list"), exact=True)
+    for name, fields in RATIOS.items():
+        for index, row in enumerate(report["ratios"][name]):
+            _fields(f"report.ratios.{name}[{index}]", row, fields, exact=True)
