@@ -26,6 +26,8 @@ SHIMS = {"tfmp.launch", "tfmp.models.retinanet", "tfmp"}
 LAZY_IMPORTS = {
     # `import tfmp` / `python -m tfmp.launch` must not import TensorFlow: fit/evaluate load on use.
     ("tfmp", "tfmp.training.fitting"),
+    # A training matrix's parent process must not hold TensorFlow (the cells run in fresh ones).
+    ("apps.bench", "tfmp.bench.inference"),
 }
 
 
