@@ -3,9 +3,12 @@
 The split must happen before TensorFlow initialises, i.e. before any test touches a device.
 """
 
+import json
 import os
+import re
 import subprocess
 import sys
+import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -17,6 +20,7 @@ from tfmp.distribute import strategies as distribute  # noqa: E402
 distribute.split_cpu(2)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER_ERRORS = re.compile(r"heartbeat|UNAVAILABLE|Traceback", re.IGNORECASE)
 
 
 @pytest.fixture(scope="session")
@@ -32,14 +36,74 @@ def float32_global_policy():
     keras.mixed_precision.set_global_policy("float32")
 
 
-def run_python(args, cwd=None, timeout=600, env=None):
-    """Runs `python ARGS` in the project root the way a user would; returns CompletedProcess."""
+def start_python(args, cwd=None, env=None):
+    """Starts `python ARGS` in the project root the way a user would, without waiting: cases
+    that each spend seconds starting TensorFlow and wait on nothing else run side by side."""
     full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, *args],
         cwd=cwd or ROOT,
         env=full_env,
         text=True,
-        capture_output=True,
-        timeout=timeout,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
+
+
+def finish(process, timeout=600):
+    """Waits for a `start_python` process; returns CompletedProcess (kills it on timeout)."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def run_python(args, cwd=None, timeout=600, env=None):
+    """Runs `python ARGS` in the project root the way a user would; returns CompletedProcess."""
+    return finish(start_python(args, cwd=cwd, env=env), timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def launched_workers(tmp_path_factory):
+    """One `python -m tfmp.launch --workers=2` group running tests/mwms_worker.py, shared by the
+    multi-worker cells of test_matrix, test_detect_app and test_fit: every check in one start
+    of TensorFlow in two worker processes. `records[kind][worker]` lists that worker's JSON
+    lines of that kind; tests assert `returncode == 0` (showing `tail`) before reading them."""
+    out = tmp_path_factory.mktemp("launched_workers")
+    result = run_python(
+        ["-m", "tfmp.launch", "--workers=2", "--", sys.executable, os.path.join("tests", "mwms_worker.py")],
+        env={"FIT_WORKER_OUT": str(out)},
+        timeout=1500,
+    )
+    records = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("[worker ") and "] {" in line:
+            worker, text = line[len("[worker ") :].split("] ", 1)
+            record = json.loads(text)
+            records.setdefault(record["kind"], {}).setdefault(int(worker), []).append(record)
+    return types.SimpleNamespace(
+        returncode=result.returncode,
+        output=result.stdout + result.stderr,
+        tail=result.stdout[-3000:] + result.stderr[-3000:],
+        records=records,
+        out=out,
+    )
+
+
+def peer_errors_once_formed(launcher_output, markers, workers=2):
+    """Lines of `python -m tfmp.launch` output ("[worker N] ..." in each worker's own order)
+    that report a lost peer or a traceback, from each worker's first line containing one of
+    `markers` (its strategy is up, so the group has formed) to its end, the shutdown included.
+    Before that line a worker may retry reaching a peer that is still starting (gRPC
+    UNAVAILABLE, "Connection refused" on a loaded machine): that is how a group forms."""
+    found = []
+    for worker in range(workers):
+        prefix = f"[worker {worker}] "
+        lines = [line for line in launcher_output.splitlines() if line.startswith(prefix)]
+        starts = [index for index, line in enumerate(lines) if any(marker in line for marker in markers)]
+        assert starts, f"worker {worker} never printed any of {markers}"
+        found += [line for line in lines[starts[0] :] if PEER_ERRORS.search(line)]
+    return found

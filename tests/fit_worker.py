@@ -2,6 +2,7 @@
 
     python tests/fit_worker.py                                          # one device
     python -m tfmp.launch --workers=2 -- python tests/fit_worker.py     # two workers
+    (tests/mwms_worker.py runs it in the multi-worker group the tests share)
 
 The TensorFlow multi-worker tutorial's kind of model (logits, `from_logits=True`, SGD,
 `metrics=["accuracy"]`), shrunk to seconds, trained with `tfmp.fit`. Prints one JSON line:
@@ -65,7 +66,11 @@ class StepLosses(keras.callbacks.Callback):
 
 
 def main():
-    strategy = distribute.get_strategy("auto")
+    run(distribute.get_strategy("auto"))
+
+
+def run(strategy):
+    """The script's body on `strategy` (the shared multi-worker group calls it with its own)."""
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = compile_tutorial(tutorial_model())
@@ -82,6 +87,7 @@ def main():
     print(
         json.dumps(
             {
+                "kind": "fit",
                 "losses": recorder.losses,
                 "history": history.history,
                 "replicas": strategy.num_replicas_in_sync,

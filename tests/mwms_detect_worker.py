@@ -1,14 +1,16 @@
-"""One MultiWorkerMirroredStrategy worker for tests/test_detect_app.py: the tiny RetinaNet,
-every precision with XLA off and on, 2 steps each through the engine; prints one JSON line
-per cell with the loss, finiteness and a checksum of the weights for the test to compare.
+"""The detection cells of the shared multi-worker group (tests/mwms_worker.py) for
+tests/test_detect_app.py: the tiny RetinaNet, every precision with XLA off and on, 2 steps each
+through the engine; prints one JSON line per cell with the loss, finiteness and a digest of
+every model and optimizer variable for the test to compare across workers.
 
-    TF_CONFIG=... python tests/mwms_detect_worker.py      (python -m tfmp.launch --workers=2 -- ...)
+    python -m tfmp.launch --workers=2 -- python tests/mwms_detect_worker.py   (these cells alone)
 """
 
 import hashlib
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,7 +32,10 @@ SIZE, GLOBAL_BATCH, STEPS = 64, 4, 2
 
 
 def main():
-    strategy = distribute.get_strategy("multi_worker")
+    detection_cells(distribute.get_strategy("multi_worker"))
+
+
+def detection_cells(strategy):
     anchors = boxes.generate_anchors(SIZE, retinanet.anchor_config("retinanet_tiny"))
     train = strategy.distribute_datasets_from_function(
         lambda context: data.load(
@@ -39,6 +44,7 @@ def main():
     )
     for policy in precision.POLICIES:
         for xla in (False, True):
+            started = time.process_time()
             keras.utils.set_random_seed(0)
             with strategy.scope():
                 model = retinanet.build_detector("retinanet_tiny", SIZE, 6, dtype=policy)
@@ -51,6 +57,7 @@ def main():
             print(
                 json.dumps(
                     {
+                        "kind": "detect",
                         "policy": policy,
                         "xla": xla,
                         "replicas": strategy.num_replicas_in_sync,
@@ -58,11 +65,22 @@ def main():
                         "nonfinite": result.nonfinite_steps,
                         "float32": all(w.dtype == "float32" for w in model.trainable_weights),
                         "finite": bool(np.isfinite(weights).all()),
-                        "checksum": hashlib.sha256(weights.tobytes()).hexdigest(),
+                        "checksum": _variables_digest(model, optimizer),
+                        "cpu_seconds": round(time.process_time() - started, 1),  # for speed work
                     }
                 ),
                 flush=True,
             )
+
+
+def _variables_digest(model, optimizer):
+    """Digest of every model and optimizer variable (weights, BatchNorm statistics, iterations,
+    loss scale, momentum slots): equal digests mean the workers' replicas ended identical."""
+    digest = hashlib.sha256()
+    for variable in model.variables + optimizer.variables:
+        digest.update(variable.path.encode())
+        digest.update(np.asarray(variable.numpy()).tobytes())
+    return digest.hexdigest()
 
 
 if __name__ == "__main__":

@@ -1,45 +1,68 @@
-"""One MultiWorkerMirroredStrategy worker for tests/test_multi_worker.py.
+"""The launched 2-worker group the multi-worker tests share: one start of TensorFlow in two
+worker processes checks every multi-worker cell (starting a group costs more than its cells).
 
-    TF_CONFIG=... python tests/mwms_worker.py
+    python -m tfmp.launch --workers=2 -- python tests/mwms_worker.py    (conftest's `launched_workers`)
 
-Trains LeNet on the built-in digits for a few steps under every precision, with and without
-XLA, through the same Engine the apps use, then prints one JSON line per combination with
-the loss, the examples seen and a checksum of the weights, for the test to compare across
-workers; last, one float16 step with inf images on worker 1 only, which both must skip.
+Prints one JSON line per check, each with a "kind", for the tests to compare across workers:
+- "classify" (tests/test_matrix.py): LeNet on the built-in digits for a few steps under every
+  precision, with and without XLA, through the same Engine the apps use: loss, eval over the
+  whole split against this worker's own count, and a digest of every model and optimizer variable;
+- "overflow": one float16 step with inf images on worker 1 only, which both must skip;
+- "detect" (tests/test_detect_app.py): the tiny RetinaNet in every precision x XLA cell;
+- "fit" (tests/test_fit.py): a user's tfmp.fit script (tests/fit_worker.py) on this strategy.
+The strategy comes from `get_strategy("auto")`, as a user's script gets it under the launcher.
 """
 
 import hashlib
 import json
+import math
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import fit_worker  # noqa: E402
 import keras  # noqa: E402
+import mwms_detect_worker  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfmp import models, precision  # noqa: E402
-from tfmp.classification import data
+from tfmp.classification import data  # noqa: E402
 from tfmp.classification.task import compile_classifier  # noqa: E402
-from tfmp.distribute import strategies as distribute
+from tfmp.distribute import strategies as distribute  # noqa: E402
 from tfmp.training.engine import Engine  # noqa: E402
 
 GLOBAL_BATCH = 32
 STEPS = 3
+# Digits drawn at LeNet's smallest input: float16 is emulated on CPU, and at 28x28 the two
+# float16 cells' eval passes (2 x 2000 images) cost more than every other check here.
+IMAGE_SIZE = 16
 
 
 def main():
-    strategy = distribute.get_strategy("multi_worker")
+    strategy = distribute.get_strategy("auto")
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    print(json.dumps({"kind": "strategy", "multi_worker": multi_worker}), flush=True)
+    classification_cells(strategy)
+    overflow_on_worker_1(strategy)
+    mwms_detect_worker.detection_cells(strategy)
+    fit_worker.run(strategy)
+
+
+def classification_cells(strategy):
     topology = distribute.describe(strategy)
     train = strategy.distribute_datasets_from_function(
-        lambda context: data.load("digits", "train", GLOBAL_BATCH, input_context=context)[0]
+        lambda context: data.load(
+            "digits", "train", GLOBAL_BATCH, image_size=IMAGE_SIZE, input_context=context
+        )[0]
     )
     evaluation = strategy.distribute_datasets_from_function(
-        lambda context: data.load("digits", "eval", GLOBAL_BATCH, input_context=context, training=False)[
-            0
-        ].map(
+        lambda context: data.load(
+            "digits", "eval", GLOBAL_BATCH, image_size=IMAGE_SIZE, input_context=context, training=False
+        )[0].map(
             lambda images, labels: (
                 images,
                 tf.maximum(labels, 0),
@@ -50,9 +73,10 @@ def main():
     )
     for policy in precision.POLICIES:
         for xla in (False, True):
+            started = time.process_time()
             keras.utils.set_random_seed(0)
             with strategy.scope():
-                model = models.build("lenet", (28, 28, 1), 10, dtype=policy)
+                model = models.build("lenet", (IMAGE_SIZE, IMAGE_SIZE, 1), 10, dtype=policy)
                 optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), policy, "auto")
             compile_classifier(model, optimizer, strategy)
             engine = Engine(strategy, model, optimizer, xla=xla)
@@ -62,6 +86,7 @@ def main():
             print(
                 json.dumps(
                     {
+                        "kind": "classify",
                         "policy": policy,
                         "xla": xla,
                         "workers": topology.workers,
@@ -70,28 +95,29 @@ def main():
                         "loss": trained.metrics["loss"],
                         "eval_accuracy": evaluated["accuracy"],
                         "eval_loss": evaluated["loss"],
+                        "eval_examples": _examples_counted(engine, evaluation),
                         "local_eval": _local_eval(model),
                         "finite": bool(np.isfinite(weights).all()),
-                        "checksum": _digest(weights),
+                        "checksum": _variables_digest(model, optimizer),
+                        "cpu_seconds": round(time.process_time() - started, 1),  # for speed work
                     }
                 ),
                 flush=True,
             )
-    overflow_on_worker_1(strategy)
 
 
 def overflow_on_worker_1(strategy):
     """Inf images on worker 1 only: the float16 step must be skipped on both workers."""
 
     def poisoned(context):
-        dataset = data.load("digits", "train", GLOBAL_BATCH, input_context=context)[0]
+        dataset = data.load("digits", "train", GLOBAL_BATCH, image_size=IMAGE_SIZE, input_context=context)[0]
         if context.input_pipeline_id == 1:
             dataset = dataset.map(lambda images, labels: (images * np.inf, labels))
         return dataset
 
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = models.build("lenet", (28, 28, 1), 10, dtype="mixed_float16")
+        model = models.build("lenet", (IMAGE_SIZE, IMAGE_SIZE, 1), 10, dtype="mixed_float16")
         optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), "mixed_float16", "dynamic")
     compile_classifier(model, optimizer, strategy)
     engine = Engine(strategy, model, optimizer)
@@ -100,7 +126,7 @@ def overflow_on_worker_1(strategy):
     print(
         json.dumps(
             {
-                "overflow": True,
+                "kind": "overflow",
                 "unchanged": _digest(_weights(model)) == before,
                 "nonfinite_steps": totals.nonfinite_steps,
                 "loss_scale": precision.current_loss_scale(optimizer),
@@ -110,11 +136,23 @@ def overflow_on_worker_1(strategy):
     )
 
 
+def _examples_counted(engine, evaluation):
+    """The real (unpadded) rows one pass over `evaluation` counts, summed over every replica and
+    worker: the loss tracker in `model.metrics` is a Mean whose `count` sums the weights the
+    engine gives each replica's batch loss, its real rows. `Engine.evaluate` resets the metrics
+    after reading them, so this pass is `Engine.infer` (the same replica step, no reset after)."""
+    engine.infer(iter(evaluation), math.ceil(data.DIGITS_EVAL_EXAMPLES / GLOBAL_BATCH))
+    tracker = next(metric for metric in engine.model.metrics if metric.name == "loss")
+    return float(tracker.count.numpy())
+
+
 def _local_eval(model):
     """(loss, accuracy) over the whole eval split computed by this worker alone, for comparison."""
     losses, correct, total = [], 0, 0
     # Batches of the per-replica size: kernels pick algorithms by batch size.
-    for images, labels in data.load("digits", "eval", GLOBAL_BATCH // 2, training=False)[0]:
+    for images, labels in data.load(
+        "digits", "eval", GLOBAL_BATCH // 2, image_size=IMAGE_SIZE, training=False
+    )[0]:
         valid = labels.numpy() >= 0
         # A plain call: Keras' predict under the strategy would return every replica's rows.
         probabilities = model(images, training=False).numpy().astype(np.float64)[valid]
@@ -132,6 +170,15 @@ def _weights(model):
 
 def _digest(weights):
     return hashlib.sha256(weights.tobytes()).hexdigest()
+
+
+def _variables_digest(model, optimizer):
+    """Digest of every model and optimizer variable (weights, iterations, loss scale, slots)."""
+    digest = hashlib.sha256()
+    for variable in model.variables + optimizer.variables:
+        digest.update(variable.path.encode())
+        digest.update(np.asarray(variable.numpy()).tobytes())
+    return digest.hexdigest()
 
 
 if __name__ == "__main__":

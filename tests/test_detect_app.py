@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import run_python
+from conftest import finish, run_python, start_python
 from PIL import Image
 
 from tfmp import precision
@@ -124,39 +124,54 @@ def test_app_trains_mixed_and_predicts_float32_boxes_drawn_to_png(tmp_path):
     assert predicted.returncode == 0, predicted.stderr[-3000:]
     record = json.loads(predicted.stdout.strip().splitlines()[-1])
     assert record["boxes_dtype"] == "float32" and record["scores_dtype"] == "float32"
-    assert len(record["detections"]) > 0
+    # With --score_threshold=0 NMS keeps up to max_detections (100) boxes, best first.
+    scores = [detection["score"] for detection in record["detections"]]
+    assert 1 <= len(scores) <= 100 and scores == sorted(scores, reverse=True)
+    assert all(0.0 <= score <= 1.0 for score in scores)
+    assert {detection["class"] for detection in record["detections"]} <= set(range(6))
     drawn = Image.open(record["png"])
     assert drawn.size == (100, 80)  # drawn on the original image
 
 
+BAD_INPUT = [
+    (["--model=yolo9"], "unknown detector 'yolo9'"),
+    (["--predict=/nonexistent/a.png", "--model_dir=MISSING"], "is not a tfmp run directory"),
+    (["--dataset=coco:/nonexistent"], "COCO dataset path '/nonexistent' does not exist"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+    """Every BAD_INPUT case started at once (each a TensorFlow start waiting on nothing else)."""
+    base = tmp_path_factory.mktemp("bad_input")
+    started = []
+    for index, (args, _) in enumerate(BAD_INPUT):
+        run = base / f"run{index}"
+        args = [arg.replace("MISSING", str(base / f"missing{index}")) for arg in args]
+        started.append((run, start_python(["-m", "apps.detect", f"--model_dir={run}", *args])))
+    return [(run, finish(process)) for run, process in started]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--model=yolo9"], "unknown detector 'yolo9'"),
-        (["--predict=/nonexistent/a.png", "--model_dir=MISSING"], "is not a tfmp run directory"),
-        (["--dataset=coco:/nonexistent"], "COCO dataset path '/nonexistent' does not exist"),
-    ],
-)
-def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
-    args = [arg.replace("MISSING", str(tmp_path / "missing")) for arg in args]
-    result = run_python(["-m", "apps.detect", f"--model_dir={tmp_path / 'run'}", *args])
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[message for _, message in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2(bad_input_runs, case):
+    message = BAD_INPUT[case][1]
+    run, result = bad_input_runs[case]
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+    assert "Traceback" not in result.stderr and not run.exists()
 
 
 @pytest.mark.slow
-def test_multi_worker_cells_train_every_precision_and_xla_identically():
-    result = run_python(
-        ["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "tests/mwms_detect_worker.py"]
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def test_multi_worker_cells_train_every_precision_and_xla_identically(launched_workers):
+    """2 workers (conftest's shared launched group) x every precision x XLA off/on."""
+    assert launched_workers.returncode == 0, launched_workers.tail
+    by_worker = launched_workers.records["detect"]
+    assert set(by_worker) == {0, 1}
     cells = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("[worker") and "] {" in line:
-            worker, record = int(line[8]), json.loads(line.split("] ", 1)[1])
+    for worker, records in by_worker.items():
+        for record in records:
             cells.setdefault((record["policy"], record["xla"]), {})[worker] = record
     assert len(cells) == 2 * len(precision.POLICIES)
     for (policy, xla), workers in cells.items():
@@ -164,6 +179,7 @@ def test_multi_worker_cells_train_every_precision_and_xla_identically():
         for record in workers.values():
             assert record["replicas"] == 2 and record["finite"] and record["float32"], record
             assert np.isfinite(record["loss"]) and record["nonfinite"] == 0, record
+        # Every model and optimizer variable identical on both workers.
         assert workers[0]["checksum"] == workers[1]["checksum"], (policy, xla)
 
 

@@ -2,18 +2,16 @@
 
 import json
 import os
-import re
-import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import run_python
+from conftest import peer_errors_once_formed
 from fit_worker import GLOBAL_BATCH, StepLosses, compile_tutorial, tutorial_data, tutorial_model
 
 import tfmp
-from tfmp import precision
+from tfmp import precision, pruning
 from tfmp.errors import UsageError
 
 
@@ -166,7 +164,6 @@ def test_mixed_float16_model_gets_replica_safe_loss_scaling(mirrored, tmp_path):
 
 def test_plain_optimizer_on_float16_model_is_wrapped():
     keras.utils.set_random_seed(0)
-    model = tutorial_model()
     mixed = keras.Sequential(
         [keras.Input((12, 12, 1)), keras.layers.Flatten(), keras.layers.Dense(10, dtype="mixed_float16")]
     )
@@ -174,7 +171,7 @@ def test_plain_optimizer_on_float16_model_is_wrapped():
     images, labels = tutorial_data(32)
     tfmp.fit(mixed, images, labels, batch_size=16, verbose=0)
     assert isinstance(mixed.optimizer, precision.LossScaleOptimizer)
-    del model
+    assert int(mixed.optimizer.iterations.numpy()) == 2  # both steps applied through the wrapper
 
 
 def test_resume_from_model_dir_continues_at_the_exact_step(reference, tmp_path):
@@ -239,32 +236,25 @@ def _fit_in_scope(strategy, model, images, labels, model_dir):
 
 
 @pytest.mark.slow
-def test_same_script_on_two_workers_equals_one_process(reference, tmp_path):
+def test_same_script_on_two_workers_equals_one_process(reference, launched_workers):
+    """tests/fit_worker.py's body in conftest's shared launched group (2 workers, the strategy
+    from get_strategy("auto") as the script gets it) equals Keras' model.fit on one device."""
     losses, _, weights = reference
-    result = run_python(
-        ["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "tests/fit_worker.py"],
-        env={"FIT_WORKER_OUT": str(tmp_path)},
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    records = [
-        json.loads(line.split("] ", 1)[1])
-        for line in result.stdout.splitlines()
-        if line.startswith("[worker") and "] {" in line
-    ]
-    assert len(records) == 2
+    assert launched_workers.returncode == 0, launched_workers.tail
+    records = [record for worker in (0, 1) for record in launched_workers.records["fit"][worker]]
+    assert len(records) == 2 and sorted(record["task"] for record in records) == [0, 1]
     for record in records:
         assert record["replicas"] == 2
         np.testing.assert_allclose(record["losses"], losses, atol=1e-5)
-        saved = np.load(tmp_path / f"weights-{record['task']}.npz")
+        saved = np.load(launched_workers.out / f"weights-{record['task']}.npz")
         for index, want in enumerate(weights):
             np.testing.assert_allclose(saved[f"arr_{index}"], want, atol=1e-5)
     # The run ends at a barrier: no worker loses its coordination-service peer while finishing.
-    assert not re.search(r"heartbeat|UNAVAILABLE|Traceback", result.stdout + result.stderr, re.IGNORECASE)
+    assert not peer_errors_once_formed(launched_workers.output, ['"kind": "strategy"'])
+    assert "Traceback" not in launched_workers.output
 
 
 def test_a_users_model_is_pruned_through_the_keras_callback():
-    from tfmp import pruning
-
     images, labels = tutorial_data()
     model = _tutorial()
     pruner = pruning.Pruner(model, pruning.PolynomialSchedule(0.5, begin_step=2, end_step=10, every=2))

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tfmp import models, precision
+from tfmp.bench import pipeline as bench_pipeline
 from tfmp.classification.task import compile_classifier
 from tfmp.errors import UsageError
 from tfmp.pipeline import plan as pipeline
@@ -16,6 +17,8 @@ from tfmp.training.engine import Engine
 SHAPE = (16, 16, 1)
 BATCH = 16
 DEVICES = ["/CPU:0", "/CPU:1"]
+# Machine epsilon (the gap above 1.0) of each half-precision compute dtype.
+EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 def _data(poison=None, weights=False):
@@ -94,18 +97,26 @@ def test_regularisers_and_sample_weights_count_once_per_step():
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_mixed_precision_pipeline_is_within_half_precision_rounding(policy):
-    """Micro-batches sum weight gradients in float32 where the unsplit model sums in half
-    precision, so the runs differ by rounding: the pipeline must be no farther from the float32
-    run than the unsplit half-precision run is (measured: equally far, ~5e-4 in float16)."""
-    reference, _ = _lenet("float32", split=False)
+def test_mixed_precision_pipeline_step_is_the_unsplit_step_within_half_precision_rounding(policy):
+    """Micro-batches sum weight gradients in float32 where the unsplit model sums over the whole
+    batch in half precision, so one step from the same weights on the same batch may differ
+    only by the rounding of those sums: relative to the update, at most one epsilon of the
+    compute dtype (float16 2^-10, bfloat16 2^-7). The bound is on the norm over every weight,
+    where the independent roundings average: measured 0.26 eps (float16) and 0.39 eps
+    (bfloat16), the same on 4 seeds. Several steps are not compared: a rounding difference
+    flips a ReLU near zero and the runs then part by far more than rounding (measured 0.05% to
+    2.4% of the update after 3 steps), which is why a bound from one lucky run was flaky."""
     unsplit, _ = _lenet(policy, split=False)
     piped, _ = _lenet(policy)
-    for engine in (reference, unsplit, piped):
-        assert engine.train(iter(_data()), 3).nonfinite_steps == 0
-    rounding = _max_difference(unsplit.model, reference.model)  # the unsplit model's own rounding
-    assert _max_difference(piped.model, reference.model) <= 2 * rounding
-    assert _max_difference(piped.model, unsplit.model) <= 2 * rounding
+    start = np.concatenate([w.ravel() for w in _weights(unsplit.model)])
+    for engine in (unsplit, piped):
+        assert engine.train(iter(_data()), 1).nonfinite_steps == 0
+    unsplit_update = np.concatenate([w.ravel() for w in _weights(unsplit.model)]) - start
+    piped_update = np.concatenate([w.ravel() for w in _weights(piped.model)]) - start
+    epsilon = EPSILON[keras.DTypePolicy(policy).compute_dtype]
+    assert np.linalg.norm(piped_update - unsplit_update) <= epsilon * np.linalg.norm(unsplit_update)
+    # ... and the pipelined model keeps training in half precision: no overflow, loss scale kept.
+    assert piped.train(iter(_data()), 2).nonfinite_steps == 0
 
 
 def _graph_nodes(engine, iterator):
@@ -220,8 +231,6 @@ def test_indivisible_batch_is_refused_when_the_step_is_traced():
 
 
 def test_bench_reports_throughput_bubble_and_memory_per_device():
-    from tfmp.bench import pipeline as bench_pipeline
-
     rows = bench_pipeline.measure(
         "seed_cnn", image_size=8, global_batch=8, micro_batches=(2,), steps=1, repeats=1
     )
