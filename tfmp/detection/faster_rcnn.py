@@ -275,6 +275,9 @@ def faster_rcnn(
 
 
 DETECTORS = {
+    # `python -m apps.detect --model=faster_rcnn_tiny --mixed` (the detection DEFAULTS: 600 steps of
+    # 16 images, adam 0.002, cosine) on 2 shared CPU cores (load ~10): mAP 0.855, AP50 0.998,
+    # AP75 0.957 in 312 s; float32 in the same setup: mAP 0.860, AP50 0.998, 337 s (load ~10-14).
     # 128 px shapes scenes (objects 26-64 px): P3-P5 with RetinaNet-tiny's 3 scales x 3 ratios
     # of 32 px at P3, 64-wide FPN, a 256-wide box head, fewer proposals and ROIs per image.
     "faster_rcnn_tiny": functools.partial(
