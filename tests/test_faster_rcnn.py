@@ -281,6 +281,11 @@ def test_app_trains_faster_rcnn_mixed_then_predicts_float32_boxes_drawn_to_png(t
     for found in record["detections"]:
         assert len(found["box"]) == 4 and found["score"] >= 0.05 and found["name"]
     assert Image.open(record["png"]).size == (100, 80)  # drawn on the original image
+    not_exported = run_python(["-m", "apps.export", f"--model_dir={run}"])
+    assert not_exported.returncode == 2 and "cannot export yet" in not_exported.stderr
+    errors = [line for line in not_exported.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in not_exported.stderr
+    assert not (run / "export").exists()
     refused = run_python(["-m", "apps.detect", "--model=faster_rcnn_tiny", "--xla=on"] + common)
     assert refused.returncode != 0 and "error:" in refused.stderr and "no XLA kernel" in refused.stderr
     assert "Traceback" not in refused.stderr

@@ -37,7 +37,7 @@ import keras
 import tensorflow as tf
 
 from tfmp.detection import boxes, proposals
-from tfmp.detection.retinanet import _conv, _pyramid, _resnet50_backbone, _tiny_backbone
+from tfmp.detection.retinanet import conv, feature_pyramid, resnet50_backbone, tiny_backbone
 from tfmp.detection.roi_align import ROIAlign
 from tfmp.errors import UsageError, unknown
 from tfmp.models import check_dtype_policy
@@ -137,11 +137,11 @@ class FasterRCNN(keras.Model):
 def _rpn_head(pyramid, levels, anchors_per_location, width, name, dtype):
     """Shared 3x3 conv + relu, then float32 1x1 objectness and deltas; [B, A], [B, A, 4]."""
     init = keras.initializers.RandomNormal(stddev=0.01)
-    hidden = _conv(width, 3, f"{name}_rpn_conv", dtype, None, activation="relu", kernel_initializer=init)
-    objectness = _conv(
+    hidden = conv(width, 3, f"{name}_rpn_conv", dtype, None, activation="relu", kernel_initializer=init)
+    objectness = conv(
         anchors_per_location, 1, f"{name}_rpn_objectness_conv", "float32", None, kernel_initializer=init
     )
-    deltas = _conv(
+    deltas = conv(
         4 * anchors_per_location, 1, f"{name}_rpn_deltas_conv", "float32", None, kernel_initializer=init
     )
     scores, boxes_ = [], []
@@ -225,14 +225,14 @@ def faster_rcnn(
         if not isinstance(value, int) or value < 1:
             raise UsageError(f"--{label}={value!r} must be a positive integer")
     if backbone == "tiny":
-        images, features = _tiny_backbone(image_input((image_size, image_size, 3), name), name, dtype, None)
+        images, features = tiny_backbone(image_input((image_size, image_size, 3), name), name, dtype, None)
     elif backbone == "resnet50":
-        images, features = _resnet50_backbone(image_size, name, dtype, 0.0)
+        images, features = resnet50_backbone(image_size, name, dtype, 0.0)
     else:
         raise unknown("detector backbone", backbone, ("tiny", "resnet50"))
     gt_boxes = keras.Input((None, 4), name=f"{name}_gt_boxes")
     gt_classes = keras.Input((None,), dtype="int32", name=f"{name}_gt_classes")
-    pyramid = _pyramid(features, levels, fpn_width, name, dtype, None)
+    pyramid = feature_pyramid(features, levels, fpn_width, name, dtype, None)
     anchors = dataclasses.replace(anchors, levels=levels)
     rpn_scores, rpn_deltas = _rpn_head(pyramid, levels, anchors.anchors_per_location, fpn_width, name, dtype)
     found = proposals.Proposals(

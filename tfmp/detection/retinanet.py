@@ -58,10 +58,10 @@ def _conv_group_norm(x, width, stride, name, dtype, regularizer):
     """3x3 conv -> GroupNorm -> relu. Group norm, not batch norm: its statistics are per image,
     so N replicas compute exactly what one device computes for the global batch (batch norm
     would normalise each replica's share on its own), at any batch size."""
-    x = _conv(
+    x = conv(
         width,
         3,
-        f"{name}_conv",
+        f"{name}conv",
         dtype,
         regularizer,
         stride=stride,
@@ -72,7 +72,7 @@ def _conv_group_norm(x, width, stride, name, dtype, regularizer):
     return keras.layers.Activation("relu", dtype=dtype, name=f"{name}_relu")(x)
 
 
-def _tiny_backbone(images, name, dtype, regularizer, widths=TINY_BACKBONE_WIDTHS):
+def tiny_backbone(images, name, dtype, regularizer, widths=TINY_BACKBONE_WIDTHS):
     """Five stride-2 stages of two 3x3 conv-gn-relu layers each; returns [C3, C4, C5]."""
     x, features = images, []
     for stage, width in enumerate(widths, start=1):
@@ -83,7 +83,7 @@ def _tiny_backbone(images, name, dtype, regularizer, widths=TINY_BACKBONE_WIDTHS
     return images, features
 
 
-def _resnet50_backbone(image_size, name, dtype, weight_decay):
+def resnet50_backbone(image_size, name, dtype, weight_decay):
     """tfmp's ResNet-50 graph, cut at C3-C5 (its pooling and classifier are left out). Its batch
     norm normalises each replica's share of the batch (16 images per GPU in the COCO config)."""
     classifier = resnet50(
@@ -95,7 +95,7 @@ def _resnet50_backbone(image_size, name, dtype, weight_decay):
     return classifier.inputs[0], features
 
 
-def _conv(filters, kernel_size, name, dtype, regularizer, stride=1, **kwargs):
+def conv(filters, kernel_size, name, dtype, regularizer, stride=1, **kwargs):
     return keras.layers.Conv2D(
         filters,
         kernel_size,
@@ -108,11 +108,11 @@ def _conv(filters, kernel_size, name, dtype, regularizer, stride=1, **kwargs):
     )
 
 
-def _pyramid(features, levels, width, name, dtype, regularizer):
+def feature_pyramid(features, levels, width, name, dtype, regularizer):
     """FPN: 1x1 laterals + nearest 2x top-down sums, 3x3 smoothing; P6/P7 by stride-2 convs."""
     c3, c4, c5 = features
     laterals = {
-        level: _conv(width, 1, f"{name}_fpn_lateral_p{level}", dtype, regularizer)(c)
+        level: conv(width, 1, f"{name}_fpn_lateral_p{level}", dtype, regularizer)(c)
         for level, c in zip((3, 4, 5), (c3, c4, c5))
     }
     merged = {5: laterals[5]}
@@ -124,15 +124,15 @@ def _pyramid(features, levels, width, name, dtype, regularizer):
             [laterals[level], upsampled]
         )
     pyramid = {
-        level: _conv(width, 3, f"{name}_fpn_p{level}", dtype, regularizer)(merged[level])
+        level: conv(width, 3, f"{name}_fpn_p{level}", dtype, regularizer)(merged[level])
         for level in (3, 4, 5)
         if level in levels
     }
     if 6 in levels:
-        pyramid[6] = _conv(width, 3, f"{name}_fpn_p6", dtype, regularizer, stride=2)(c5)
+        pyramid[6] = conv(width, 3, f"{name}_fpn_p6", dtype, regularizer, stride=2)(c5)
     if 7 in levels:
         relu6 = keras.layers.Activation("relu", dtype=dtype, name=f"{name}_fpn_p6_relu")(pyramid[6])
-        pyramid[7] = _conv(width, 3, f"{name}_fpn_p7", dtype, regularizer, stride=2)(relu6)
+        pyramid[7] = conv(width, 3, f"{name}_fpn_p7", dtype, regularizer, stride=2)(relu6)
     return [pyramid[level] for level in levels]
 
 
@@ -155,10 +155,10 @@ def _subnet(
     hidden = []
     for index in range(1, depth + 1):
         hidden.append(
-            _conv(
+            conv(
                 width,
                 3,
-                f"{name}_{kind}_conv{index}",
+                f"{name}_{kind}conv{index}",
                 dtype,
                 regularizer,
                 activation=None if norm else "relu",
@@ -173,7 +173,7 @@ def _subnet(
             )
             hidden.append(keras.layers.Activation("relu", dtype=dtype, name=f"{name}_{kind}_relu{index}"))
     # float32: the logits/deltas, their reshapes and the concatenation never round to float16.
-    final = _conv(
+    final = conv(
         anchors * outputs_per_anchor,
         3,
         f"{name}_{kind}_output",
@@ -228,14 +228,14 @@ def retinanet(
         )
     regularizer = _regularizer(weight_decay)
     if backbone == "tiny":
-        images, features = _tiny_backbone(
+        images, features = tiny_backbone(
             image_input((image_size, image_size, 3), name), name, dtype, regularizer
         )
     elif backbone == "resnet50":
-        images, features = _resnet50_backbone(image_size, name, dtype, weight_decay)
+        images, features = resnet50_backbone(image_size, name, dtype, weight_decay)
     else:
         raise unknown("detector backbone", backbone, ("tiny", "resnet50"))
-    pyramid = _pyramid(features, levels, fpn_width, name, dtype, regularizer)
+    pyramid = feature_pyramid(features, levels, fpn_width, name, dtype, regularizer)
     anchors = AnchorConfig(levels=levels).anchors_per_location
     prior_bias = keras.initializers.Constant(-math.log((1 - CLASS_PRIOR) / CLASS_PRIOR))
     classes = _subnet(

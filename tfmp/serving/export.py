@@ -285,6 +285,12 @@ def export_run(
             f"--model_dir={run_dir} holds no {run_files.MODEL_FILE}; "
             "train to the end first (the model is saved when a run finishes)"
         )
+    trained = run_files.read_flags(run_dir).get("model")
+    if trained and not any(spec.trains(trained) for spec in predictors.KINDS.values()):
+        raise UsageError(
+            f"--model_dir={run_dir} trained {trained!r}, which apps.export cannot export yet "
+            f"(it exports {', '.join(predictors.KINDS)} runs); use apps.detect --predict for its detections"
+        )
     model = predictors.KerasPredictor(model_path, {}).model
     metadata = predictors.run_metadata(run_dir)
     kind = KINDS[model_kind(model)]
