@@ -96,7 +96,7 @@ def classification_cells(strategy):
                         "eval_accuracy": evaluated["accuracy"],
                         "eval_loss": evaluated["loss"],
                         "eval_examples": _examples_counted(engine, evaluation),
-                        "local_eval": _local_eval(model),
+                        "local_eval": _local_eval(model, policy),
                         "finite": bool(np.isfinite(weights).all()),
                         "checksum": _variables_digest(model, optimizer),
                         "cpu_seconds": round(time.process_time() - started, 1),  # for speed work
@@ -146,9 +146,16 @@ def _examples_counted(engine, evaluation):
     return float(tracker.count.numpy())
 
 
-def _local_eval(model):
-    """(loss, accuracy) over the whole eval split computed by this worker alone, for comparison."""
-    losses, correct, total = [], 0, 0
+def _local_eval(model, policy):
+    """(loss, accuracy, near ties) over the whole eval split computed by this worker alone.
+
+    A near tie is an example whose top-two logits differ by less than 64 epsilons of the
+    policy's compute dtype: rounding in another order (graph or XLA vs this eager pass) may
+    flip its prediction, so the distributed accuracy may differ from this one by at most
+    that many examples.
+    """
+    losses, correct, near_ties, total = [], 0, 0, 0
+    tie_margin = 64 * float(np.finfo(keras.mixed_precision.Policy(policy).compute_dtype).eps)
     # Batches of the per-replica size: kernels pick algorithms by batch size.
     for images, labels in data.load(
         "digits", "eval", GLOBAL_BATCH // 2, image_size=IMAGE_SIZE, training=False
@@ -159,9 +166,11 @@ def _local_eval(model):
         truth = labels.numpy()[valid]
         losses.extend(-np.log(np.clip(probabilities[np.arange(len(truth)), truth], 1e-7, 1.0)))
         correct += int((probabilities.argmax(-1) == truth).sum())
+        top_two = np.log(np.clip(np.sort(probabilities, axis=-1)[:, -2:], 1e-30, 1.0))
+        near_ties += int((top_two[:, 1] - top_two[:, 0] < tie_margin).sum())
         total += int(valid.sum())
     assert total == data.DIGITS_EVAL_EXAMPLES
-    return float(np.mean(losses)), correct / total
+    return float(np.mean(losses)), correct / total, near_ties
 
 
 def _weights(model):

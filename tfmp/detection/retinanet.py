@@ -61,7 +61,7 @@ def _conv_group_norm(x, width, stride, name, dtype, regularizer):
     x = conv(
         width,
         3,
-        f"{name}conv",
+        f"{name}_conv",
         dtype,
         regularizer,
         stride=stride,
@@ -158,7 +158,7 @@ def _subnet(
             conv(
                 width,
                 3,
-                f"{name}_{kind}conv{index}",
+                f"{name}_{kind}_conv{index}",
                 dtype,
                 regularizer,
                 activation=None if norm else "relu",
