@@ -27,6 +27,7 @@ import fit_worker  # noqa: E402
 import keras  # noqa: E402
 import mwms_detect_worker  # noqa: E402
 import numpy as np  # noqa: E402
+import rounding  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfmp import models, precision  # noqa: E402
@@ -147,15 +148,9 @@ def _examples_counted(engine, evaluation):
 
 
 def _local_eval(model, policy):
-    """(loss, accuracy, near ties) over the whole eval split computed by this worker alone.
-
-    A near tie is an example whose top-two logits differ by less than 64 epsilons of the
-    policy's compute dtype: rounding in another order (graph or XLA vs this eager pass) may
-    flip its prediction, so the distributed accuracy may differ from this one by at most
-    that many examples.
-    """
-    losses, correct, near_ties, total = [], 0, 0, 0
-    tie_margin = 64 * float(np.finfo(keras.mixed_precision.Policy(policy).compute_dtype).eps)
+    """(loss, accuracy, near ties) over the whole eval split computed by this worker alone
+    (near ties: see tests/rounding.py)."""
+    losses, correct, ties, total = [], 0, 0, 0
     # Batches of the per-replica size: kernels pick algorithms by batch size.
     for images, labels in data.load(
         "digits", "eval", GLOBAL_BATCH // 2, image_size=IMAGE_SIZE, training=False
@@ -166,11 +161,10 @@ def _local_eval(model, policy):
         truth = labels.numpy()[valid]
         losses.extend(-np.log(np.clip(probabilities[np.arange(len(truth)), truth], 1e-7, 1.0)))
         correct += int((probabilities.argmax(-1) == truth).sum())
-        top_two = np.log(np.clip(np.sort(probabilities, axis=-1)[:, -2:], 1e-30, 1.0))
-        near_ties += int((top_two[:, 1] - top_two[:, 0] < tie_margin).sum())
+        ties += rounding.count_near_ties(probabilities, policy)
         total += int(valid.sum())
     assert total == data.DIGITS_EVAL_EXAMPLES
-    return float(np.mean(losses)), correct / total, near_ties
+    return float(np.mean(losses)), correct / total, ties
 
 
 def _weights(model):

@@ -3,11 +3,11 @@ RetinaNet, 2 replicas equal 1 device (the global positive-anchor normaliser), an
 replica skips the step, and apps.detect trains, predicts float32 boxes and refuses bad input."""
 
 import json
-import sys
 
 import keras
 import numpy as np
 import pytest
+import rounding
 import tensorflow as tf
 from conftest import finish, run_python, start_python
 from PIL import Image
@@ -63,12 +63,18 @@ def test_every_strategy_precision_and_xla_cell_trains(mirrored, strategy_name, p
 
 
 def test_two_replicas_equal_one_device_with_the_global_positive_count(mirrored):
-    single = _engine(tf.distribute.OneDeviceStrategy("/cpu:0"))
-    single.train(_batches(tf.distribute.OneDeviceStrategy("/cpu:0")), 3)
+    """One step on 2 replicas moves every weight as one device does, within float32 rounding of
+    gradient sums over at most BATCH x SIZE^2 terms (tests/rounding.py); a per-replica
+    positive-anchor count would be off by about the replica count."""
+    one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
+    single = _engine(one_device)
+    start = [w.numpy() for w in single.model.trainable_weights]
+    single.train(_batches(one_device), 1)
     replicated = _engine(mirrored)
-    replicated.train(_batches(mirrored), 3)
-    for a, b in zip(single.model.trainable_weights, replicated.model.trainable_weights):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+    replicated.train(_batches(mirrored), 1)
+    rounding.assert_same_update(
+        start, replicated.model.trainable_weights, single.model.trainable_weights, BATCH * SIZE * SIZE
+    )
 
 
 def test_overflow_on_one_replica_skips_the_step_everywhere(mirrored):
@@ -183,28 +189,6 @@ def test_multi_worker_cells_train_every_precision_and_xla_identically(launched_w
         assert workers[0]["checksum"] == workers[1]["checksum"], (policy, xla)
 
 
-@pytest.mark.slow
-def test_two_workers_train_the_detector_identically(tmp_path):
-    result = run_python(
-        [
-            "-m",
-            "tfmp.launch",
-            "--workers=2",
-            "--",
-            sys.executable,
-            "-m",
-            "apps.detect",
-            "--steps=3",
-            "--steps_per_epoch=3",
-            "--warmup_steps=0",
-            f"--image_size={SIZE}",
-            f"--global_batch_size={BATCH}",
-            f"--model_dir={tmp_path / 'run'}",
-        ]
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summaries = [line for line in result.stdout.splitlines() if "tfmp summary:" in line]
-    assert len(summaries) == 2 and "2 replica(s) on 2 worker(s)" in summaries[0]
-    digests = {line.split("weights ")[-1].split(",")[0] for line in summaries}
-    assert len(digests) == 1  # identical weights on both workers
-    assert "on 500 images" in summaries[0]  # every eval image once, across both workers
+# apps.detect under `tfmp.launch --workers=2` (identical weights, every eval image counted once)
+# runs once, with Faster R-CNN (tests/test_faster_rcnn.py): the launcher and the app's eval are
+# the same code for both detectors, and RetinaNet's multi-worker training is the shared group's.

@@ -1,11 +1,13 @@
 """train_and_evaluate: outputs, resume, divergence stop, refusals that leave nothing behind."""
 
 import json
+import math
 import os
 
 import keras
 import numpy as np
 import pytest
+import rounding
 import tensorflow as tf
 
 from tfmp import models, precision, pruning
@@ -42,9 +44,10 @@ def test_run_writes_every_output(tmp_path):
     )
     assert summary["steps"] == 6 and summary["replicas"] == 2 and summary["precision"] == "mixed_bfloat16"
     # The reported accuracy is the saved model's on the whole eval split, recomputed here at the
-    # per-replica batch (kernels pick algorithms by batch size); one near-tie may flip in bfloat16.
+    # per-replica batch (kernels pick algorithms by batch size); near ties may flip in bfloat16.
     saved = keras.models.load_model(tmp_path / "model.keras")
-    assert summary["eval_accuracy"] == pytest.approx(_accuracy(saved, batch=16), abs=1.01 / 2000)
+    accuracy, ties = _accuracy(saved, batch=16, policy="mixed_bfloat16")
+    rounding.assert_accuracy_within_ties(summary["eval_accuracy"], accuracy, data.DIGITS_EVAL_EXAMPLES, ties)
     card = json.load(open(tmp_path / "run_card.json"))
     assert card["compute dtype"] == "bfloat16" and card["variable dtype"] == "float32"
     assert card["head dtype"] == "float32" and card["per-replica batch"] == 16
@@ -70,16 +73,18 @@ def test_run_writes_every_output(tmp_path):
     assert saved.output.dtype == "float32"
 
 
-def _accuracy(model, batch):
-    """The model's accuracy on the digits eval split, padding rows (label -1) left out."""
-    correct = total = 0
+def _accuracy(model, batch, policy):
+    """(accuracy, near ties) of the model on the digits eval split, padding rows (label -1)
+    left out."""
+    correct = ties = total = 0
     for images, labels in data.load("digits", "eval", batch, training=False)[0]:
         valid = labels.numpy() >= 0
-        predicted = model(images, training=False).numpy().argmax(-1)
-        correct += int((predicted[valid] == labels.numpy()[valid]).sum())
+        probabilities = model(images, training=False).numpy()[valid]
+        correct += int((probabilities.argmax(-1) == labels.numpy()[valid]).sum())
+        ties += rounding.count_near_ties(probabilities, policy)
         total += int(valid.sum())
     assert total == data.DIGITS_EVAL_EXAMPLES
-    return correct / total
+    return correct / total, ties
 
 
 def test_resume_continues_at_the_saved_step(tmp_path):
@@ -163,7 +168,13 @@ def test_user_errors_leave_nothing_behind(tmp_path, overrides, message):
 
 @pytest.mark.slow
 def test_mixed_float16_matches_float32_accuracy(tmp_path):
-    """Loss scaling works: float16 training reaches float32's accuracy (margin 0.03)."""
+    """Loss scaling works: float16 training reaches float32's accuracy.
+
+    14x14 digits, batch 32: float16 is emulated on a CPU (1.2 s per step of this MLP at 28x28,
+    batch 128), and 300 small steps already reach ~0.91. The two runs round differently, so
+    their eval accuracies are two draws on 2000 examples: the margin is 4 standard errors of
+    their difference, sqrt(2 p (1 - p) / 2000) with p = 0.9.
+    """
     accuracy = {}
     for policy in ("float32", "mixed_float16"):
         summary = train_and_evaluate(
@@ -172,7 +183,7 @@ def test_mixed_float16_matches_float32_accuracy(tmp_path):
                 tmp_path / policy,
                 model="mnist_mlp",
                 precision=policy,
-                global_batch_size=128,
+                image_size=14,
                 steps=300,
                 steps_per_epoch=300,
                 steps_per_execution=50,
@@ -180,8 +191,9 @@ def test_mixed_float16_matches_float32_accuracy(tmp_path):
             ),
         )
         accuracy[policy] = summary["eval_accuracy"]
-    assert accuracy["float32"] > 0.9
-    assert abs(accuracy["float32"] - accuracy["mixed_float16"]) < 0.03, accuracy
+    assert accuracy["float32"] > 0.85  # it learned (chance is 0.1)
+    margin = 4 * math.sqrt(2 * 0.9 * 0.1 / data.DIGITS_EVAL_EXAMPLES)
+    assert abs(accuracy["float32"] - accuracy["mixed_float16"]) < margin, accuracy
 
 
 def _kernel_zeros(model):

@@ -1,0 +1,50 @@
+"""Comparisons that summation order cannot make flaky: bounds from the dtype, not from a run.
+
+* Accuracy: two passes over the same model and data (eager vs tf.function vs XLA, one batch
+  size vs another) sum in different orders, so an example whose two best classes are nearly
+  tied may be predicted either way. `count_near_ties` counts those examples from the compute
+  dtype's epsilon; `assert_accuracy_within_ties` allows exactly that many flips.
+* Weights: N replicas vs one device sum the same gradient in another order.
+  `assert_same_update` compares one step's update within float32 epsilon x the number of
+  summed terms x the update's scale.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+# Logits come out of layers computing in the policy's dtype; 64 epsilons of it covers rounding
+# in any summation order of these small models (a few hundred terms per output, errors of
+# random sign), and is still far below a real difference between two models.
+TIE_EPSILONS = 64
+
+
+def count_near_ties(probabilities, policy):
+    """How many rows' top-two classes are within TIE_EPSILONS epsilons of `policy`'s compute
+    dtype, compared as log-probabilities (i.e. as logits)."""
+    compute_dtype = keras.mixed_precision.Policy(policy).compute_dtype
+    margin = TIE_EPSILONS * float(np.finfo(tf.as_dtype(compute_dtype).as_numpy_dtype).eps)
+    top_two = np.log(np.clip(np.sort(np.asarray(probabilities, np.float64), axis=-1)[:, -2:], 1e-30, 1.0))
+    return int((top_two[:, 1] - top_two[:, 0] < margin).sum())
+
+
+def assert_accuracy_within_ties(accuracy, reference, examples, ties):
+    """`accuracy` and `reference` over `examples` differ by at most `ties` predictions."""
+    flipped = round(abs(accuracy - reference) * examples)
+    assert flipped <= ties, f"accuracy {accuracy} vs {reference}: {flipped} flips > {ties} near ties"
+
+
+def assert_same_update(before, weights, reference_weights, summed_terms):
+    """Each variable moved from `before` by the same update in `weights` as in
+    `reference_weights`, within float32 epsilon x `summed_terms` (the most terms a gradient
+    element sums) x that variable's largest update. One step only: later steps start from
+    weights that already differ by rounding, and any non-smooth choice (a ReLU at zero, a
+    top-k near tie) then parts the runs by more than rounding."""
+    for start, variable, reference in zip(before, weights, reference_weights):
+        update = reference.numpy() - start
+        scale = np.abs(update).max()
+        assert scale > 0, f"{reference.path} did not train"
+        tolerance = summed_terms * np.finfo(np.float32).eps * scale
+        np.testing.assert_allclose(
+            variable.numpy() - start, update, rtol=0, atol=tolerance, err_msg=reference.path
+        )
