@@ -93,6 +93,20 @@ def launched_workers(tmp_path_factory):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (setup.cfg runs `-n auto --dist=loadgroup`), which tests must share a
+    pytest worker: the ones using the launched group (`launched_workers`, from three files), so
+    it starts once; and a file's tests that use a fixture defined in that file (module-scoped
+    runs, exports, bench outputs), so it is built once. Every other test goes to whichever
+    worker is free, which keeps both cores busy to the end. Without xdist the marks do nothing."""
+    for item in items:
+        if "launched_workers" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("launched_workers"))
+        elif any(hasattr(item.module, name) for name in item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
 def peer_errors_once_formed(launcher_output, markers, workers=2):
     """Lines of `python -m tfmp.launch` output ("[worker N] ..." in each worker's own order)
     that report a lost peer or a traceback, from each worker's first line containing one of
