@@ -5,8 +5,8 @@
   tied may be predicted either way. `count_near_ties` counts those examples from the compute
   dtype's epsilon; `assert_accuracy_within_ties` allows exactly that many flips.
 * Weights: N replicas vs one device sum the same gradient in another order.
-  `assert_same_update` compares one step's update within float32 epsilon x the number of
-  summed terms x the update's scale.
+  `assert_replicas_step_like_one_device` trains one step each way and compares the updates
+  within float32 epsilon x the number of summed terms x the update's scale.
 """
 
 import keras
@@ -34,13 +34,22 @@ def assert_accuracy_within_ties(accuracy, reference, examples, ties):
     assert flipped <= ties, f"accuracy {accuracy} vs {reference}: {flipped} flips > {ties} near ties"
 
 
-def assert_same_update(before, weights, reference_weights, summed_terms):
-    """Each variable moved from `before` by the same update in `weights` as in
-    `reference_weights`, within float32 epsilon x `summed_terms` (the most terms a gradient
-    element sums) x that variable's largest update. One step only: later steps start from
-    weights that already differ by rounding, and any non-smooth choice (a ReLU at zero, a
-    top-k near tie) then parts the runs by more than rounding."""
-    for start, variable, reference in zip(before, weights, reference_weights):
+def assert_replicas_step_like_one_device(build_engine, batches, replicated_strategy, summed_terms):
+    """One step of `build_engine(strategy)` on `batches(strategy)` under `replicated_strategy`
+    moves each variable as on one device, within float32 epsilon x `summed_terms` (the most
+    terms a gradient element sums) x that variable's largest update. One step only: later
+    steps start from weights that already differ by rounding, and any non-smooth choice (a ReLU
+    at zero, a top-k near tie) then parts the runs by more than rounding. `build_engine` must
+    seed its initial weights."""
+    one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
+    single = build_engine(one_device)
+    before = [w.numpy() for w in single.model.trainable_weights]
+    single.train(batches(one_device), 1)
+    replicated = build_engine(replicated_strategy)
+    replicated.train(batches(replicated_strategy), 1)
+    for start, variable, reference in zip(
+        before, replicated.model.trainable_weights, single.model.trainable_weights
+    ):
         update = reference.numpy() - start
         scale = np.abs(update).max()
         assert scale > 0, f"{reference.path} did not train"

@@ -66,15 +66,7 @@ def test_two_replicas_equal_one_device_with_the_global_positive_count(mirrored):
     """One step on 2 replicas moves every weight as one device does, within float32 rounding of
     gradient sums over at most BATCH x SIZE^2 terms (tests/rounding.py); a per-replica
     positive-anchor count would be off by about the replica count."""
-    one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
-    single = _engine(one_device)
-    start = [w.numpy() for w in single.model.trainable_weights]
-    single.train(_batches(one_device), 1)
-    replicated = _engine(mirrored)
-    replicated.train(_batches(mirrored), 1)
-    rounding.assert_same_update(
-        start, replicated.model.trainable_weights, single.model.trainable_weights, BATCH * SIZE * SIZE
-    )
+    rounding.assert_replicas_step_like_one_device(_engine, _batches, mirrored, BATCH * SIZE * SIZE)
 
 
 def test_overflow_on_one_replica_skips_the_step_everywhere(mirrored):

@@ -235,15 +235,7 @@ def test_two_replicas_equal_one_device_proposals_sampling_and_global_normalisers
     epsilons of the update's scale; a per-replica normaliser or proposal budget would be off
     by a factor of the replica count.
     """
-    one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
-    single = _engine(one_device)
-    start = [w.numpy() for w in single.model.trainable_weights]
-    single.train(_batches(one_device), 1)
-    replicated = _engine(mirrored)
-    replicated.train(_batches(mirrored), 1)
-    rounding.assert_same_update(
-        start, replicated.model.trainable_weights, single.model.trainable_weights, BATCH * SIZE * SIZE
-    )
+    rounding.assert_replicas_step_like_one_device(_engine, _batches, mirrored, BATCH * SIZE * SIZE)
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
