@@ -8,6 +8,7 @@ ratio the docs quote is derived and printed.
 import math
 
 import pytest
+import tensorflow as tf
 
 from tfmp import precision
 from tfmp.bench import cell as bench_cell
@@ -17,20 +18,23 @@ from tfmp.bench import runner as bench_runner
 from tfmp.bench import schema
 from tfmp.bench import threads as bench_threads
 from tfmp.errors import UsageError
+from tfmp.training.engine import Engine
 
+DETECTORS = ["retinanet_tiny", "faster_rcnn_tiny"]
 ENVIRONMENT = bench.Environment(
     classifiers=["seed_cnn", "lenet", "mnist_mlp"],
-    detectors=["retinanet_tiny"],
+    detectors=DETECTORS,
     policies={"float32": "float32", "auto": "mixed_bfloat16", "mixed_bfloat16": "mixed_bfloat16"},
     gpus=[],
     cpu_fast_bfloat16=True,
     versions={"tensorflow": "2", "keras": "3"},
+    xla_unsupported={"faster_rcnn_tiny": "ROIAlign (CropAndResize) and NMS have no XLA kernel"},
 )
 
 
 def _config(**changes):
     values = dict(
-        models=["retinanet_tiny"],
+        models=DETECTORS,
         precisions=["float32", "auto"],
         data="builtin",
         image_size=64,
@@ -45,13 +49,15 @@ def test_cells_plan_detector_pipeline_and_thread_cells():
     config = _config()
     bench.validate(config, ENVIRONMENT)
     planned = bench.cells(config, ENVIRONMENT)
-    detector = [c for c in planned if c.get("model") == "retinanet_tiny"]
-    assert {(c["kind"], c["precision"], c.get("reference")) for c in detector} == {
-        ("engine", "float32", None),
-        ("engine", "auto", None),
-        ("engine", "float32", "input"),
-        ("engine", "auto", "input"),
-    }  # no Keras-fit cell for detectors
+    for model in DETECTORS:
+        detector = [c for c in planned if c.get("model") == model]
+        assert {(c["kind"], c["precision"], c.get("reference")) for c in detector} == {
+            ("engine", "float32", None),
+            ("engine", "auto", None),
+            ("engine", "float32", "input"),
+            ("engine", "auto", "input"),
+        }, model  # no Keras-fit cell for detectors
+        assert all(c["image_size"] == 64 and not c["xla"] for c in detector)
     pipeline = [c for c in planned if c["kind"] == "pipeline"]
     assert len(pipeline) == 1 and pipeline[0]["micro_batches"] == [1, 2]
     assert pipeline[0]["model"] == "seed_cnn" and pipeline[0]["global_batch_size"] == 64
@@ -77,12 +83,20 @@ def test_cells_plan_detector_pipeline_and_thread_cells():
         (dict(study_model="retinanet_tiny"), "unknown study model"),
         (dict(threads_rounds=0), "--threads_rounds=0 must be >= 1"),
         (dict(models=["retinanet_huge"]), "unknown model 'retinanet_huge'"),
+        (dict(xla=[False, True]), "--xla=on for faster_rcnn_tiny: ROIAlign"),
     ],
 )
 def test_bad_study_settings_are_one_line_errors(changes, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(")) as error:
         bench.validate(_config(**changes), ENVIRONMENT)
     assert "\n" not in str(error.value)
+
+
+def test_retinanet_plans_xla_cells_that_faster_rcnn_refuses():
+    config = _config(models=["retinanet_tiny"], xla=[False, True])
+    bench.validate(config, ENVIRONMENT)
+    planned = [c for c in bench.cells(config, ENVIRONMENT) if c.get("model") == "retinanet_tiny"]
+    assert {c["xla"] for c in planned} == {False, True}
 
 
 def _hand_made_cells():
@@ -159,10 +173,32 @@ def test_study_ratios_and_table_from_hand_made_cells():
 def test_environment_cell_reports_what_the_parent_plans_with():
     found = bench.Environment(**bench_cell.environment())
     assert {"seed_cnn", "resnet20", "lenet"} <= set(found.classifiers)
-    assert "retinanet_tiny" in found.detectors and found.is_detector("retinanet_tiny")
+    assert set(DETECTORS) <= set(found.detectors)
+    assert all(found.is_detector(name) for name in DETECTORS)
+    assert "faster_rcnn_tiny" in found.xla_unsupported and "retinanet_tiny" not in found.xla_unsupported
     assert set(found.policies) == set(precision.CHOICES)
     assert set(found.policies.values()) <= set(precision.POLICIES)
     assert {"tensorflow", "keras"} == set(found.versions)
+
+
+@pytest.mark.slow  # builds and traces the detector: ~10 s
+def test_faster_rcnn_setup_trains_one_engine_step_on_the_model_inputs():
+    """In this process, not a cell's: the RetinaNet cell below already covers the process."""
+    config = _config(data="synthetic", global_batch_size=4, precisions=["float32"])
+    cell = next(c for c in bench.cells(config, ENVIRONMENT) if c.get("model") == "faster_rcnn_tiny")
+    strategy = tf.distribute.get_strategy()
+    model, optimizer, dataset_fn, image_shape = bench_cell._faster_rcnn_setup(cell, strategy, "float32")
+    (inputs,) = dataset_fn(None).element_spec  # (inputs,): the ground truth is among the inputs
+    assert set(inputs) == {"images", "gt_boxes", "gt_classes"} == set(model.input)
+    for name, spec in inputs.items():
+        assert spec.dtype == model.input[name].dtype and spec.shape.rank == len(model.input[name].shape)
+    assert inputs["images"].shape == (4, 64, 64, 3) and image_shape == (64, 64, 3)
+    engine = Engine(strategy, model, optimizer)
+    result = engine.train(iter(strategy.distribute_datasets_from_function(dataset_fn)), 1)
+    assert math.isfinite(result.metrics["loss"]) and result.nonfinite_steps == 0
+    assert bench_cell._flops_per_step(cell, model) > 0  # the graph leaves the ROI count open
+    with pytest.raises(UsageError, match="faster_rcnn_tiny with XLA: ROIAlign"):
+        bench_cell._faster_rcnn_setup(dict(cell, xla=True), strategy, "float32")
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,13 @@ device splits, peak memory and compiled graphs never leak between cells. A cell 
 `engine` times tfmp's Engine, `fit` the same model and data under plain Keras `model.fit` /
 `predict`, `peak` the best of several square matmuls in the precision's compute dtype (the
 FLOP/s ceiling the cells are compared to; keys "sizes", "repeats", "min_call_seconds", see `tfmp.bench.peak`).
-A detector name as "model" (`tfmp.detection.retinanet.DETECTORS`) trains
-it on the built-in detection `shapes` data (anchors matched in the input pipeline; "synthetic"
-repeats one such batch). Optional keys "intra_op_threads", "inter_op_threads" (set before
-TensorFlow starts) and "data_threads" (tf.data private pool) change the thread settings.
+A detector name as "model" (`tfmp.detection.retinanet.DETECTORS` or
+`tfmp.detection.faster_rcnn.DETECTORS`) trains it on the built-in detection `shapes` data: the
+pipeline draws the scenes and pads the ground truth, anchors (and Faster R-CNN's ROIs) are
+matched on the device inside the step; "synthetic" repeats one such batch from memory. Faster
+R-CNN refuses "xla": true (`XLA_UNSUPPORTED`). Optional keys "intra_op_threads",
+"inter_op_threads" (set before TensorFlow starts) and "data_threads" (tf.data private pool)
+change the thread settings.
 Two more kinds: `pipeline` (`tfmp.bench.pipeline.measure` rows, "model", "image_size",
 "global_batch_size", "micro_batches", "steps", "repeats", "precision") and `python_threads`
 (`tfmp.bench.python_threads.measure`, "unit_seconds"), and `environment` (the names and
@@ -43,23 +46,31 @@ from tfmp.bench.matrix import RESULT_PREFIX
 from tfmp.classification import data
 from tfmp.classification.task import compile_classifier
 from tfmp.detection import data as detection_data
-from tfmp.detection import losses, retinanet, targets
+from tfmp.detection import faster_rcnn, losses, rcnn_losses, rcnn_task, retinanet, targets
 from tfmp.detection.task import compile_detector
 from tfmp.distribute import strategies as distribute
+from tfmp.errors import UsageError
+from tfmp.training import fitting
 from tfmp.training.engine import Engine
 
 MNIST_SHAPED = ("mnist_mlp", "lenet")
+# Detectors the engine cannot compile with XLA, and why (the parent refuses such matrices).
+XLA_UNSUPPORTED = {
+    name: "ROIAlign (CropAndResize) and NMS have no XLA kernel, and the engine compiles the whole forward pass"
+    for name in faster_rcnn.DETECTORS
+}
 
 
 def is_detector(name: str) -> bool:
-    return name in retinanet.DETECTORS
+    return name in retinanet.DETECTORS or name in faster_rcnn.DETECTORS
 
 
 def environment() -> dict:
     """What the parent (which never imports TensorFlow) needs to plan: `matrix.Environment`."""
     return {
         "classifiers": list(models.MODELS),
-        "detectors": list(retinanet.DETECTORS),
+        "detectors": [*retinanet.DETECTORS, *faster_rcnn.DETECTORS],
+        "xla_unsupported": XLA_UNSUPPORTED,
         "policies": {choice: precision.resolve(choice).policy for choice in precision.CHOICES},
         "gpus": [gpu.name for gpu in tf.config.list_physical_devices("GPU")],
         "cpu_fast_bfloat16": precision.detect_hardware().cpu_fast_bfloat16,
@@ -69,7 +80,7 @@ def environment() -> dict:
 
 def _dataset_spec(cell: dict) -> str:
     if is_detector(cell["model"]):
-        return "shapes"  # the detection flavour (boxes), see _detector_setup
+        return "shapes"  # the detection flavour (boxes), see _shapes_dataset_fn
     if cell["data"] == "builtin":
         return "digits" if cell["model"] in MNIST_SHAPED else "shapes"
     return cell["data"]
@@ -77,6 +88,10 @@ def _dataset_spec(cell: dict) -> str:
 
 def _image_size(cell: dict, spec: str):
     return None if spec == "digits" or cell["model"] in MNIST_SHAPED else cell.get("image_size")
+
+
+def _optimizer(policy: str):
+    return precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy, "auto")
 
 
 def _classifier_setup(cell: dict, strategy, policy: str):
@@ -87,7 +102,7 @@ def _classifier_setup(cell: dict, strategy, policy: str):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = models.build(cell["model"], info.image_shape, info.num_classes, dtype=policy)
-        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy, "auto")
+        optimizer = _optimizer(policy)
     compile_classifier(model, optimizer, strategy)
 
     def dataset_fn(context):
@@ -103,31 +118,67 @@ def _classifier_setup(cell: dict, strategy, policy: str):
     return model, optimizer, dataset_fn, info.image_shape
 
 
-def _detector_setup(cell: dict, strategy, policy: str):
-    """(compiled detector, optimizer, dataset_fn(input_context), image shape) on `shapes`."""
-    size = cell["image_size"]
-    info = detection_data.describe("shapes", image_size=size)
-    matcher = targets.AnchorMatcher(size, retinanet.anchor_config(cell["model"]))
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = retinanet.build_detector(cell["model"], size, info.num_classes, dtype=policy)
-        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy, "auto")
-    compile_detector(model, optimizer, strategy, matcher=matcher, max_boxes=info.max_boxes)
+def _shapes_dataset_fn(cell: dict, to_elements):
+    """dataset_fn(input_context) of the built-in detection `shapes` at the cell's image size and
+    batch, its (image, truth) batches mapped by `to_elements` into the model's elements."""
 
     def dataset_fn(context):
         dataset = detection_data.load(
             "shapes",
             "train",
             cell["global_batch_size"],
-            image_size=size,
+            image_size=cell["image_size"],
             input_context=context,
         )[0]
-        dataset = dataset.map(lambda image, truth: (image, losses.ground_truth_labels(truth)))
+        dataset = to_elements(dataset)
         # Synthetic reference: one real batch (drawn once) repeated, so the input pipeline's
         # cost drops out and the step (anchors matched in it) is the same work.
         return dataset.take(1).cache().repeat() if cell["data"] == "synthetic" else dataset
 
+    return dataset_fn
+
+
+def _retinanet_elements(dataset):
+    return dataset.map(lambda image, truth: (image, losses.ground_truth_labels(truth)))
+
+
+def _retinanet_setup(cell: dict, strategy, policy: str):
+    """(compiled RetinaNet, optimizer, dataset_fn(input_context), image shape) on `shapes`."""
+    size = cell["image_size"]
+    info = detection_data.describe("shapes", image_size=size)
+    matcher = targets.AnchorMatcher(size, retinanet.anchor_config(cell["model"]))
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = retinanet.build_detector(cell["model"], size, info.num_classes, dtype=policy)
+        optimizer = _optimizer(policy)
+    compile_detector(model, optimizer, strategy, matcher=matcher, max_boxes=info.max_boxes)
+    return model, optimizer, _shapes_dataset_fn(cell, _retinanet_elements), (size, size, 3)
+
+
+def _faster_rcnn_setup(cell: dict, strategy, policy: str):
+    """(compiled Faster R-CNN, optimizer, dataset_fn(input_context), image shape) on `shapes`,
+    compiled as `rcnn_task.FasterRCNNTask` compiles it (its loss, built for
+    `rcnn_task.model_elements`: `(inputs,)` with the padded ground truth among the inputs)."""
+    if cell["xla"]:
+        raise UsageError(f"{cell['model']} with XLA: {XLA_UNSUPPORTED[cell['model']]}; use xla off")
+    size = cell["image_size"]
+    info = detection_data.describe("shapes", image_size=size)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = faster_rcnn.build_detector(cell["model"], size, info.num_classes, dtype=policy)
+        optimizer = _optimizer(policy)
+        model.compile(optimizer=optimizer, loss=rcnn_losses.FasterRCNNLoss(rcnn_task.TASK.class_loss))
+    dataset_fn = _shapes_dataset_fn(cell, rcnn_task.model_elements)
+    fitting.build_for_data(model, strategy, dataset_fn(None).element_spec)
     return model, optimizer, dataset_fn, (size, size, 3)
+
+
+def _setup(name: str):
+    """The setup function of model `name`: (cell, strategy, policy) -> (compiled model,
+    optimizer, dataset_fn(input_context), image shape)."""
+    if name in faster_rcnn.DETECTORS:
+        return _faster_rcnn_setup
+    return _retinanet_setup if name in retinanet.DETECTORS else _classifier_setup
 
 
 def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
@@ -243,8 +294,7 @@ def _measure_training(cell: dict) -> dict:
     )
     policy = precision.resolve(cell["precision"]).policy
     before_model = _peak_host_memory_mb()  # TensorFlow's runtime and Python, no model yet
-    setup = _detector_setup if is_detector(cell["model"]) else _classifier_setup
-    model, optimizer, dataset_fn, image_shape = setup(cell, strategy, policy)
+    model, optimizer, dataset_fn, image_shape = _setup(cell["model"])(cell, strategy, policy)
     timing = _time_fit if cell["kind"] == "fit" else _time_engine
     repeats = timing(cell, strategy, model, optimizer, dataset_fn, _timer(cell))
     result = {
@@ -268,7 +318,7 @@ def _speed(cell: dict, model, repeats: list[list[float]]) -> dict:
     batch = cell["global_batch_size"]
     step_times = sorted(t / steps for times in repeats for t in times)
     throughputs = [batch * steps * len(times) / sum(times) for times in repeats]
-    flops_per_step = models.count_flops(model, batch) * (3 if cell["mode"] == "train" else 1)
+    flops_per_step = _flops_per_step(cell, model)
     median_step = statistics.median(step_times)
     return {
         "examples_per_sec": statistics.median(throughputs),
@@ -279,6 +329,33 @@ def _speed(cell: dict, model, repeats: list[list[float]]) -> dict:
         "flops_per_step": flops_per_step,
         "flops_per_sec": flops_per_step / median_step,
     }
+
+
+def _flops_per_step(cell: dict, model) -> int:
+    """Model FLOPs of one step (`tfmp.models.count_flops`), forward x 3 when training."""
+    training = cell["mode"] == "train"
+    if cell["model"] in faster_rcnn.DETECTORS:
+        forward = _faster_rcnn_flops(model, training) * cell["global_batch_size"]
+    else:
+        forward = models.count_flops(model, cell["global_batch_size"])
+    return forward * (3 if training else 1)
+
+
+def _faster_rcnn_flops(model, training: bool) -> int:
+    """Forward FLOPs of one image: `count_flops` of the fixed-shape part (backbone, FPN, RPN),
+    plus the box head's dense layers once per ROI. The graph leaves the ROI count open (so
+    `count_flops` cannot count the head): the sampled ROIs in training, the proposals otherwise."""
+    rpn_outputs = [model.get_layer(f"{model.name}_{kind}").output for kind in ("rpn_scores", "rpn_deltas")]
+    fixed = models.count_flops(keras.Model(model.input["images"], rpn_outputs))
+    if training:
+        rois = model.get_layer(f"{model.name}_sample_rois").rois_per_image
+    else:
+        rois = model.get_layer(f"{model.name}_proposals").post_nms_top_k
+    head = [layer for layer in model.layers if layer.name.startswith(f"{model.name}_head_")]
+    per_roi = sum(
+        2 * math.prod(layer.kernel.shape) for layer in head if isinstance(layer, keras.layers.Dense)
+    )
+    return fixed + rois * per_roi
 
 
 def _peak_host_memory_mb() -> float:

@@ -7,8 +7,10 @@
 A cell is a plain dict (the JSON a `python -m tfmp.bench.cell` process gets, see that module):
 engine cells (tfmp's Engine), the same model under plain Keras `fit` (engine overhead) and fed
 from synthetic in-memory tensors (input-pipeline overhead), one matmul peak per precision.
-A detector in `models` (e.g. retinanet_tiny) trains on the built-in detection `shapes` data
-at `image_size` (a multiple of 32); it gets no Keras-fit reference (its losses are tfmp's).
+A detector in `models` (retinanet_tiny, faster_rcnn_tiny, ...) trains on the built-in detection
+`shapes` data at `image_size` (a multiple of 32); it gets no Keras-fit reference (its losses
+are tfmp's), only the synthetic-input one. A matrix with XLA on and a detector that cannot
+compile with XLA (Faster R-CNN: `Environment.xla_unsupported` says why) is refused in one line.
 Two optional studies on `study_model` (a classifier) at `study_image_size` / `study_batch_size`:
 `pipeline_micro_batches` adds one `pipeline` cell (`tfmp.bench.pipeline`: K=2 stages on two
 devices for each M, against the unsplit model); `threads_study` adds the thread cells of
@@ -70,11 +72,13 @@ class Environment:
     """What only TensorFlow knows, reported by a fresh cell process (`{"kind": "environment"}`)."""
 
     classifiers: list[str]  # tfmp.models.MODELS
-    detectors: list[str]  # tfmp.detection.retinanet.DETECTORS
+    detectors: list[str]  # tfmp.detection.retinanet.DETECTORS and faster_rcnn.DETECTORS
     policies: dict[str, str]  # every precision choice -> the Keras policy it is on this hardware
     gpus: list[str]
     cpu_fast_bfloat16: bool
     versions: dict[str, str]  # tensorflow, keras
+    # Models the engine cannot compile with XLA -> why (tfmp.bench.cell.XLA_UNSUPPORTED).
+    xla_unsupported: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def is_detector(self, name: str) -> bool:
         return name in self.detectors
@@ -131,6 +135,13 @@ def check_names(config: BenchConfig, environment: Environment) -> None:
         if config.image_size < 32 or config.image_size % 32:
             raise UsageError(
                 f"--image_size={config.image_size} for a detector must be a multiple of 32, e.g. 128"
+            )
+    xla_on = True in config.xla
+    for name in config.models:
+        if xla_on and name in environment.xla_unsupported:
+            raise UsageError(
+                f"--xla=on for {name}: {environment.xla_unsupported[name]}; pass --xla=off "
+                f"or leave {name} out of --models"
             )
     studies = config.threads_study or config.pipeline_micro_batches
     if studies and config.study_model not in environment.classifiers:
