@@ -332,14 +332,22 @@ def detect(model: keras.Model, images, score_threshold: float, max_detections: i
     batch = tf.shape(images)[0]
     no_truth = {"gt_boxes": tf.zeros([batch, 1, 4]), "gt_classes": tf.fill([batch, 1], -1)}
     outputs = model({"images": images, **no_truth}, training=False)
+    return select_detections(outputs, score_threshold, max_detections)
+
+
+def select_detections(outputs: dict, score_threshold: float, max_detections: int) -> dict:
+    """The model's NMS output (`outputs`: its "boxes", "scores", "classes", "valid_detections")
+    cut to the detections scoring at least `score_threshold` and to the first `max_detections`
+    (rows past each image's count are 0). Equal to NMS run with those settings: greedy NMS keeps
+    a box because of higher-scoring ones only, so a higher threshold drops no box above it."""
     keep = min(max_detections, int(outputs["scores"].shape[1]))
     scores = outputs["scores"][:, :keep]
     above = tf.reduce_sum(tf.cast(scores >= score_threshold, tf.int32), axis=-1)
-    count = tf.minimum(outputs["valid_detections"], above)
+    count = tf.minimum(tf.cast(outputs["valid_detections"], tf.int32), above)
     kept = tf.range(keep)[None, :] < count[:, None]
     return {
         "boxes": tf.where(kept[..., None], outputs["boxes"][:, :keep], 0.0),
         "scores": tf.where(kept, scores, 0.0),
-        "classes": tf.where(kept, outputs["classes"][:, :keep], 0),
+        "classes": tf.where(kept, tf.cast(outputs["classes"][:, :keep], tf.int32), 0),
         "valid_detections": count,
     }

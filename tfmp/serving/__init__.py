@@ -4,13 +4,20 @@
     predictors   load a run dir, an export, a SavedModel, a .tflite or a .keras; preprocess; predict
     copies       the inference copy: one precision, BatchNorm folded
     export       SavedModel / TFLite / .keras writers, export.json and its difference table
+    classifier   the "classifier" model kind (probabilities; top-k for apps.predict)
     detector     the "detector" model kind (NMS in the SavedModel, raw outputs in TFLite)
+    two_stage    the "two_stage_detector" kind (Faster R-CNN: its own NMS in the SavedModel, no TFLite)
 
-Imports run one way: layers <- predictors <- export <- detector (copies between layers and
-export). `export.KINDS` and `predictors.KINDS` map a model kind to what is specific to it; the
-module that knows a kind registers it. This package imports every such module, so any
-`from tfmp.serving import export` finds every kind registered (as torchvision's
-`models/__init__.py` imports every builder so each registers itself).
+Imports run one way: layers <- predictors <- export <- classifier, detector <- two_stage
+(copies between layers and export). `export.KINDS` and `predictors.KINDS` map a model kind to
+what is specific to it; the module that knows a kind registers it. This package imports every
+such module, so any `from tfmp.serving import export` finds every kind registered (as
+torchvision's `models/__init__.py` imports every builder so each registers itself).
 """
 
-from tfmp.serving import detector  # noqa: F401  registers the "detector" kind
+# Each registers its kind in export.KINDS and predictors.KINDS; the classifier first.
+from tfmp.serving import (  # noqa: F401
+    classifier,
+    detector,
+    two_stage,
+)

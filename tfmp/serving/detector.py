@@ -145,12 +145,13 @@ def serving_endpoints(model, options: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- the difference table
-def agreement(reference: dict, found: dict) -> float:
-    """F1 of greedy matching (same class, IoU >= 0.5) of `found` detections to `reference`'s."""
-    matched = total = 0
+def matches(reference: dict, found: dict) -> list[tuple[int, int, int]]:
+    """(image, reference index, found index) of each greedy match of `found` detections to
+    `reference`'s: same class, IoU >= 0.5, each reference detection (best score first) takes
+    the unmatched found detection it overlaps most."""
+    pairs = []
     for row in range(len(reference["valid_detections"])):
         n, m = int(reference["valid_detections"][row]), int(found["valid_detections"][row])
-        total += n + m
         if not n or not m:
             continue
         iou = boxes.compute_iou(reference["boxes"][row][:n], found["boxes"][row][:m]).numpy()
@@ -160,8 +161,14 @@ def agreement(reference: dict, found: dict) -> float:
             candidates = [j for j in np.argsort(-iou[i]) if j not in used and iou[i, j] >= MATCH_IOU]
             if candidates:
                 used.add(candidates[0])
-                matched += 1
-    return 1.0 if total == 0 else 2.0 * matched / total
+                pairs.append((row, i, int(candidates[0])))
+    return pairs
+
+
+def agreement(reference: dict, found: dict) -> float:
+    """F1 of greedy matching (same class, IoU >= 0.5) of `found` detections to `reference`'s."""
+    total = int(np.sum(reference["valid_detections"])) + int(np.sum(found["valid_detections"]))
+    return 1.0 if total == 0 else 2.0 * len(matches(reference, found)) / total
 
 
 def write_and_compare(model, precision, formats, directory, reference_images, options) -> list[dict]:
@@ -220,13 +227,13 @@ def table_lines(rows: list[dict]) -> tuple[tuple, list[tuple]]:
 
 # ----------------------------------------------------------------------------- predictions
 def eval_images(metadata: dict, model, options: dict, batches: int, batch_size: int):
-    """(images, description): eval batches of the run's detection dataset, or None."""
+    """(images, description): eval batches of the run's detection dataset, or None (any
+    detector kind: `options` needs its "image_size" only)."""
     try:
         stream, _ = data.load(
             metadata["dataset"],
             "eval",
             batch_size,
-            anchors=anchors(options),
             image_size=options["image_size"],
             data_dir=metadata.get("data_dir"),
             training=False,
@@ -241,20 +248,30 @@ def eval_images(metadata: dict, model, options: dict, batches: int, batch_size: 
 
 
 def predict_files(
-    predictor, paths, score_threshold: float = 0.3, output_dir: str | None = None
+    predictor,
+    paths,
+    score_threshold: float = 0.3,
+    output_dir: str | None = None,
+    kind: str = "detector",
+    find=None,
 ) -> list[dict]:
     """Detections for image files from an exported detector (any format), as
     `tfmp.detection.predict.predict_files` makes them for a run: one record per image, a PNG
-    with the boxes drawn next to each image (or in `output_dir`)."""
-    options = predictor.metadata["detector"]
+    with the boxes drawn next to each image (or in `output_dir`). `kind`: the export.json
+    section with the image size, classes and thresholds; `find(predictor, images)` -> (raw
+    outputs, detections), this module's `detections` by default."""
+    options = predictor.metadata[kind]
     if not options["score_threshold"] <= score_threshold < 1.0:
+        fix = "re-export with a lower --score_threshold"
+        if options.get("model_score_threshold", -1.0) >= options["score_threshold"]:
+            fix = "train with a lower apps.detect --score_threshold"  # a two-stage model's own NMS
         raise UsageError(
             f"--score_threshold={score_threshold} must be in [{options['score_threshold']}, 1): "
-            "the export kept no lower scores; re-export with a lower --score_threshold"
+            f"the export kept no lower scores; {fix}"
         )
     class_names = predictor.class_names or [str(i) for i in range(options["num_classes"])]
     images = [data.read_image(path, options["image_size"]) for path in paths]  # all decode first
-    _, found = detections(predictor, np.stack([image.numpy() for image, _, _ in images]))
+    _, found = (find or detections)(predictor, np.stack([image.numpy() for image, _, _ in images]))
     records = []
     for row, (path, (_, scale, original)) in enumerate(zip(paths, images)):
         keep = np.arange(len(found["scores"][row])) < found["valid_detections"][row]
@@ -308,25 +325,30 @@ def detections(
     return raw, decode(raw, predictor.metadata["detector"])
 
 
-def predict(model: str, paths: list[str], settings: dict) -> list[dict]:
+def predict(model: str, paths: list[str], settings: dict, kind: str = "detector", find=None) -> list[dict]:
     """Detection records for `apps.predict`: a run dir through the detection predict mode (its
     model.keras, in its training precision), an export through its own artifact (the
-    SavedModel's NMS output). `settings`: score_threshold, max_detections, output_dir."""
+    SavedModel's NMS output). `settings`: score_threshold, max_detections, output_dir; `kind`
+    and `find` as for `predict_files` (another detector kind passes its own)."""
     score_threshold = settings.get("score_threshold", 0.3)
-    if os.path.isdir(model) and predictors.run_kind(model) == "detector":
+    if os.path.isdir(model) and predictors.run_kind(model) == kind:
         return run_predict.predict_files(
             model, paths, score_threshold, settings.get("max_detections", 100), settings.get("output_dir")
         )
-    return predict_files(predictors.load(model), paths, score_threshold, settings.get("output_dir"))
+    return predict_files(
+        predictors.load(model), paths, score_threshold, settings.get("output_dir"), kind, find
+    )
 
 
-def _class_names(dataset: str, image_size: int | None, data_dir: str | None) -> list[str]:
+def detection_class_names(dataset: str, image_size: int | None, data_dir: str | None) -> list[str]:
     """A detection dataset's names (classification's "shapes" has other classes)."""
     return list(data.describe(dataset, image_size=image_size, data_dir=data_dir).class_names)
 
 
 def _accepts(model: keras.Model) -> bool:
-    return isinstance(model.output, dict) and {"classes", "boxes"} <= set(model.output)
+    """RetinaNet's outputs are exactly the raw {"classes", "boxes"} (a two-stage detector's
+    "boxes" are detections among more outputs: tfmp.serving.two_stage's kind)."""
+    return isinstance(model.output, dict) and set(model.output) == {"classes", "boxes"}
 
 
 # ----------------------------------------------------------------------------- the detector kind
@@ -341,6 +363,6 @@ export.KINDS["detector"] = export.ExportKind(
 )
 predictors.KINDS["detector"] = predictors.PredictionKind(
     trains=lambda name: name in retinanet.DETECTORS,
-    class_names=_class_names,
+    class_names=detection_class_names,
     predict_files=predict,
 )

@@ -21,10 +21,12 @@ What each artifact is:
   float32 input and output.
 * `model.keras` - the inference copy in the requested precision (BatchNorm folded).
 
-Model kinds: `KINDS` maps a kind ("classifier", here; "detector", registered by
-`tfmp.serving.detector`) to what is specific to it: which models it accepts, its serving
-endpoints, its options section of export.json, its eval images and its difference table. The
-code below only looks the kind up; a new kind registers an `ExportKind` from its own module.
+Model kinds: `KINDS` maps a kind ("classifier", "detector", "two_stage_detector", registered by
+`tfmp.serving.classifier`, `.detector` and `.two_stage`) to what is specific to it:
+which models it accepts, its serving endpoints, its options section of export.json, its eval
+images, its difference table and the formats it cannot write (a Faster R-CNN has no TFLite:
+left out of the default formats with a note in the report, refused when asked for). The code
+below only looks the kind up; a new kind registers an `ExportKind` from its own module.
 `copies.strip_for_inference` removes training-only state first (pruning masks). A run trained
 with a pipeline split (`--pipeline_stages`) saves one Keras model, so it exports like any other.
 """
@@ -41,10 +43,8 @@ from collections.abc import Callable
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from tfmp import run_dir as run_files
-from tfmp.classification import data as classification_data
 from tfmp.errors import UsageError, unknown
 from tfmp.serving import copies, predictors
 
@@ -65,7 +65,8 @@ class ExportKind:
     writes every format (see `written_artifacts`) and returns the difference-table rows, which
     `table(rows)` turns into (header, cells). `options(model, requested, name)` is the kind's
     section of export.json (empty: none); `eval_images(metadata, model, options, batches,
-    batch_size)` the run's eval images as (images, description), or None."""
+    batch_size)` the run's eval images as (images, description), or None. `unsupported`: {format:
+    why this kind cannot write it}, completing "--formats=NAME: MODEL ..." (one line)."""
 
     accepts: Callable[[keras.Model], bool]
     serving: Callable[[keras.Model, dict], object]
@@ -74,12 +75,19 @@ class ExportKind:
     options: Callable[[keras.Model, dict | None, str | None], dict] = lambda model, requested, name: {}
     eval_images: Callable[..., tuple[np.ndarray, str] | None] = lambda *args: None
     resize: str | None = None  # export.json's preprocessing "resize", when the kind's differs
+    unsupported: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def check_request(formats, precision: str) -> tuple[str, ...]:
-    """Validates the formats and precision; returns the formats without duplicates."""
+KINDS: dict[str, ExportKind] = {}  # filled by the modules that know a kind (tfmp.serving.__init__)
+
+
+def check_request(formats, precision: str) -> tuple[str, ...] | None:
+    """Validates the formats and precision; returns the formats without duplicates (None, the
+    default: every format the model's kind writes, see `kind_formats`)."""
     if precision not in PRECISIONS:
         raise unknown("precision", precision, PRECISIONS)
+    if formats is None:
+        return None
     formats = tuple(dict.fromkeys(formats))
     if not formats:
         raise UsageError(f"no export format given; choose from: {', '.join(FORMATS)}")
@@ -99,6 +107,22 @@ def model_kind(model: keras.Model) -> str:
         f"model {model.name!r} (outputs {outputs}) is no kind this export knows "
         f"({', '.join(KINDS)}); register an ExportKind in tfmp.serving.export.KINDS"
     )
+
+
+def kind_formats(kind: str, formats, model_name: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(formats to write, {format left out of the default: why}) for a model of `kind`: None
+    means every format the kind writes; a format asked for by name that it cannot write is a
+    UsageError naming the formats it can."""
+    unsupported = KINDS[kind].unsupported
+    supported = tuple(name for name in FORMATS if name not in unsupported)
+    if formats is None:
+        return supported, dict(unsupported)
+    for name in formats:
+        if name in unsupported:
+            raise UsageError(
+                f"--formats={name}: {model_name} {unsupported[name]}; export {','.join(supported)}"
+            )
+    return tuple(formats), {}
 
 
 # ----------------------------------------------------------------------------- writing artifacts
@@ -158,7 +182,7 @@ def artifact_precision(name: str, precision: str) -> str:
 def export(
     model: keras.Model,
     output_dir: str,
-    formats=FORMATS,
+    formats=None,
     precision: str = "float32",
     *,
     metadata: dict | None = None,
@@ -171,14 +195,17 @@ def export(
     an error leaves no half-written export (and an earlier export of the same precision stays
     until the new one is complete). `reference_images` (float32 NHWC in [0, 1]) are what the
     difference table compares on; random images are used when there are none. `options` go to
-    the model kind (a detector's score_threshold, iou_threshold, max_detections).
+    the model kind (a detector's score_threshold, iou_threshold, max_detections). `formats`
+    None: every format the model's kind writes (the report's "skipped_formats" says which not).
     """
     formats = check_request(formats, precision)
     kind = model_kind(model)
+    formats, skipped = kind_formats(kind, formats, (metadata or {}).get("model") or model.name)
     model = copies.strip_for_inference(model)
     options = KINDS[kind].options(model, options, (metadata or {}).get("model"))
+    image_shape = predictors.image_input_shape(model)
     if reference_images is None:
-        reference_images = np.random.default_rng(0).uniform(size=(64, *model.input.shape[1:]))
+        reference_images = np.random.default_rng(0).uniform(size=(64, *image_shape))
     reference_images = np.asarray(reference_images, np.float32)
     final_dir = os.path.join(output_dir, precision)
     if os.path.exists(final_dir) and not os.path.isdir(final_dir):
@@ -200,9 +227,11 @@ def export(
                 (layer.dtype_policy.name for layer in model.layers if layer.weights), None
             ),
             batch_norms_folded=len(copies.batch_norm_folds(model)),
-            preprocessing=predictors.Preprocessing.from_shape(model.input.shape[1:]).to_json(),
+            preprocessing=predictors.Preprocessing.from_shape(image_shape).to_json(),
             artifacts=rows,
         )
+        if skipped:
+            report["skipped_formats"] = skipped
         report.setdefault("compared_with", f"{len(reference_images)} images")
         if options:
             report[kind] = options
@@ -264,7 +293,7 @@ def format_table(rows: list[dict], kind: str = "classifier") -> str:
 # ----------------------------------------------------------------------------- a training run
 def export_run(
     run_dir: str,
-    formats=FORMATS,
+    formats=None,
     precision: str = "float32",
     output_dir: str | None = None,
     eval_batches: int = 2,
@@ -273,7 +302,8 @@ def export_run(
 ) -> dict:
     """Exports `run_dir/model.keras` to `output_dir` (default `run_dir/export`)/<precision>/,
     compared on `eval_batches` eval batches of the run's dataset (random images if the data
-    cannot be read here). Everything a user can get wrong is checked before writing."""
+    cannot be read here). Everything a user can get wrong is checked before writing; `formats`
+    None: every format the run's model kind writes."""
     formats = check_request(formats, precision)
     if eval_batches < 1 or batch_size < 1:
         raise UsageError(f"eval_batches={eval_batches} and batch_size={batch_size} must be >= 1")
@@ -289,10 +319,11 @@ def export_run(
     if trained and not any(spec.trains(trained) for spec in predictors.KINDS.values()):
         raise UsageError(
             f"--model_dir={run_dir} trained {trained!r}, which apps.export cannot export yet "
-            f"(it exports {', '.join(predictors.KINDS)} runs); use apps.detect --predict for its detections"
+            f"(it exports {', '.join(predictors.KINDS)} runs; a new kind registers in tfmp.serving)"
         )
     model = predictors.KerasPredictor(model_path, {}).model
     metadata = predictors.run_metadata(run_dir)
+    kind_formats(model_kind(model), formats, trained or model.name)  # refused before reading data
     kind = KINDS[model_kind(model)]
     found = None
     if metadata.get("dataset"):
@@ -300,7 +331,7 @@ def export_run(
         found = kind.eval_images(metadata, model, kind_options, eval_batches, batch_size)
     if found is None:
         rng = np.random.default_rng(0)
-        shape = (eval_batches * batch_size, *model.input.shape[1:])
+        shape = (eval_batches * batch_size, *predictors.image_input_shape(model))
         found = rng.uniform(size=shape).astype(np.float32), f"{shape[0]} random images"
     images, source = found
     metadata.update(source_model=os.path.abspath(model_path), compared_with=source)
@@ -313,92 +344,3 @@ def export_run(
         reference_images=images,
         options=options,
     )
-
-
-# ----------------------------------------------------------------------------- the classifier kind
-def _classifier_serving(model: keras.Model, options: dict):
-    height, width, channels = model.input.shape[1:]
-    spec = tf.TensorSpec([None, height, width, channels], tf.float32, name=INPUT_NAME)
-
-    @tf.function(input_signature=[spec])
-    def serve(images):
-        # The first layer casts the float32 images to its compute dtype; the softmax is float32.
-        return {OUTPUT_NAME: tf.cast(model(images, training=False), tf.float32)}
-
-    return serve
-
-
-def _classifier_compare(model, precision, formats, directory, reference_images, options) -> list[dict]:
-    """Writes each format, reloads it and compares its probabilities with the model's."""
-    copy = copies.inference_copy(model, precision)
-    # The reference is the trained weights computed in float32: the exact function the
-    # training policy approximated, so each row shows what its precision costs.
-    reference = copies.inference_copy(model, "float32", fold_batch_norms=False)
-    expected = reference_outputs(reference, reference_images)
-    rows = []
-    for name, path in written_artifacts(model, copy, precision, formats, directory, options):
-        outputs = predictors.LOADERS[name](path, {}).predict(reference_images)
-        rows.append(
-            {
-                "format": name,
-                "file": FILE_NAMES[name],
-                "precision": artifact_precision(name, precision),
-                "size_bytes": disk_size(path),
-                "max_abs_difference": float(np.max(np.abs(outputs - expected))),
-                "top1_agreement": float(np.mean(outputs.argmax(-1) == expected.argmax(-1))),
-            }
-        )
-    return rows
-
-
-def _classifier_table(rows: list[dict]) -> tuple[tuple, list[tuple]]:
-    header = ("format", "precision", "size", "max |diff| vs Keras float32", "top-1 agreement")
-    lines = [
-        (
-            row["format"],
-            row["precision"],
-            f"{row['size_bytes'] / 2**20:.2f} MiB",
-            f"{row['max_abs_difference']:.2e}",
-            f"{100 * row['top1_agreement']:.1f}%",
-        )
-        for row in rows
-    ]
-    return header, lines
-
-
-def _classifier_eval_images(metadata: dict, model, options, batches: int, batch_size: int):
-    """(images, description): eval batches of the run's classification dataset, or None."""
-    dataset = metadata["dataset"]
-    if dataset == "synthetic":
-        return None
-    try:
-        stream, _ = classification_data.load(
-            dataset,
-            "eval",
-            batch_size,
-            image_size=metadata.get("image_size"),
-            data_dir=metadata.get("data_dir"),
-            training=False,
-        )
-        images = np.concatenate([batch.numpy() for batch, _ in stream.take(batches)])
-    except Exception as error:  # data not readable here: the comparison still means something
-        logging.warning(
-            "tfmp.serving.export: eval data of %s unavailable (%s); comparing on random images",
-            dataset,
-            str(error).splitlines()[0] if str(error) else error,
-        )
-        return None
-    if images.shape[1:] != tuple(model.input.shape[1:]):
-        return None
-    return images, f"{len(images)} eval images of {dataset}"
-
-
-KINDS: dict[str, ExportKind] = {
-    "classifier": ExportKind(
-        accepts=lambda model: not isinstance(model.output, dict),
-        serving=_classifier_serving,
-        compare=_classifier_compare,
-        table=_classifier_table,
-        eval_images=_classifier_eval_images,
-    ),
-}

@@ -12,9 +12,12 @@ resize with antialiasing to the model's input size, clip to [0, 1]. The size and
 from the model's input; class names from the export's `export.json`, or, for a run dir, from the
 dataset named in its `flags.txt` (resolved flags written by training).
 
-Model kinds: `KINDS` maps a kind ("classifier", here; "detector", registered by
-`tfmp.serving.detector`) to what predicting with it needs: which `--model` names a run of that
-kind trained, its dataset's class names, and how `apps.predict` turns image files into records.
+Model kinds: `KINDS` maps a kind ("classifier", "detector", "two_stage_detector", registered by
+`tfmp.serving.classifier`, `.detector` and `.two_stage`) to what predicting with it needs:
+which `--model` names a run of that kind trained, its dataset's class names, and how
+`apps.predict` turns image files into records. A model whose inputs are a dict (Faster R-CNN:
+images and the padded ground truth its training step samples from) gets the images in its
+"images" input and one padding row in every other (`model_inputs`).
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import models, run_dir
 from tfmp import precision as _precision  # noqa: F401  registers the loss-scale optimizer a run saves
-from tfmp.classification import data as classification_data
+from tfmp import run_dir
 from tfmp.errors import UsageError
 from tfmp.serving import layers as _layers  # noqa: F401  registers FoldedBatchNorm for exported .keras
+
+IMAGES_INPUT = "images"  # the images' key when a model's inputs are a dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,9 @@ class PredictionKind:
     trains: Callable[[str | None], bool]
     class_names: Callable[[str, int | None, str | None], list[str] | None]
     predict_files: Callable[[str, list[str], dict], list[dict]]
+
+
+KINDS: dict[str, PredictionKind] = {}  # filled by the modules that know a kind (tfmp.serving.__init__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +118,30 @@ def top_k(probabilities: np.ndarray, k: int, class_names=None) -> list[dict]:
     return result
 
 
+def image_input_shape(model: keras.Model) -> tuple[int, int, int]:
+    """(height, width, channels) of the images `model` takes: its one input's, or the shape of
+    its "images" input when its inputs are a dict."""
+    spec = model.input[IMAGES_INPUT] if isinstance(model.input, dict) else model.input
+    return tuple(int(size) for size in spec.shape[1:])
+
+
+def model_inputs(model: keras.Model, images):
+    """What `model` is called with for a batch of float32 `images`: the images, or, when its
+    inputs are a dict, the images in "images" and one padding row in every other input (0 in
+    a float input, -1 in an integer one: tfmp's padded ground truth, which inference ignores)."""
+    if not isinstance(model.input, dict):
+        return images
+    images = tf.convert_to_tensor(images, tf.float32)  # Keras refuses numpy next to tensors
+    batch = tf.shape(images)[0]
+    inputs = {IMAGES_INPUT: images}
+    for key, spec in model.input.items():
+        if key != IMAGES_INPUT:
+            dtype = tf.as_dtype(spec.dtype)
+            shape = [batch, 1, *(int(size) for size in spec.shape[2:])]
+            inputs[key] = tf.fill(shape, tf.constant(-1 if dtype.is_integer else 0, dtype))
+    return inputs
+
+
 # ----------------------------------------------------------------------------- predictors
 class Predictor(abc.ABC):
     """A loaded artifact: `predict(float32 NHWC images) -> float32 probabilities`.
@@ -164,12 +195,14 @@ class KerasPredictor(Predictor):
                 raise UsageError(f"cannot load Keras model {path!r}: {str(error).splitlines()[0]}") from None
         self.model = model
         # One trace for every batch size (the benchmark alternates 1 and 64).
-        spec = tf.TensorSpec([None, *model.input.shape[1:]], tf.float32)
-        self._call = tf.function(lambda images: model(images, training=False), input_signature=[spec])
+        spec = tf.TensorSpec([None, *image_input_shape(model)], tf.float32)
+        self._call = tf.function(
+            lambda images: model(model_inputs(model, images), training=False), input_signature=[spec]
+        )
         super().__init__(path, metadata)
 
     def input_shape(self):
-        return tuple(self.model.input.shape[1:])
+        return image_input_shape(self.model)
 
     def predict_batch(self, images):
         return np.asarray(tf.cast(self._call(tf.constant(images)), tf.float32))
@@ -356,35 +389,3 @@ def load(path: str) -> Predictor:
         f"--model={path} holds no model (no {run_dir.MODEL_FILE}, saved_model.pb or "
         f"{run_dir.EXPORT_METADATA_FILE}); train first or point at an export"
     )
-
-
-# ----------------------------------------------------------------------------- the classifier kind
-def classify_files(model: str, paths: list[str], settings: dict) -> list[dict]:
-    """{"image": path, "top_k": [{"class", "name", "probability"}, ...]} per image file; every
-    file is decoded before anything is predicted. `settings`: top_k, batch_size."""
-    predictor = load(model)
-    if isinstance(getattr(getattr(predictor, "model", None), "output", None), dict):
-        raise UsageError(
-            f"--model={model} is a detector without a run's flags.txt or an export.json; "
-            "give its run dir or export it with apps.export"
-        )
-    pixels = read_images(paths, predictor.preprocessing)
-    probabilities = predictor.predict(pixels, batch_size=settings.get("batch_size", 64))
-    return [
-        {"image": path, "top_k": top_k(row, settings.get("top_k", 5), predictor.class_names)}
-        for path, row in zip(paths, probabilities)
-    ]
-
-
-def _classification_names(dataset: str, image_size: int | None, data_dir: str | None):
-    info = classification_data.describe(dataset, image_size=image_size, data_dir=data_dir)
-    return info.class_names
-
-
-KINDS: dict[str, PredictionKind] = {
-    "classifier": PredictionKind(
-        trains=lambda name: name in models.MODELS,
-        class_names=_classification_names,
-        predict_files=classify_files,
-    ),
-}
