@@ -11,7 +11,6 @@ import sys
 import keras
 import numpy as np
 import pytest
-import rounding
 import tensorflow as tf
 from conftest import run_python
 from PIL import Image
@@ -19,6 +18,7 @@ from PIL import Image
 from tfmp import precision
 from tfmp.detection import boxes, data, faster_rcnn, proposals, rcnn_losses, rcnn_task, roi_align
 from tfmp.errors import UsageError
+from tfmp.serving import predictors
 from tfmp.training.config import TrainConfig
 from tfmp.training.engine import Engine
 from tfmp.training.run import train_and_evaluate
@@ -225,17 +225,35 @@ def test_every_strategy_and_precision_cell_trains_without_xla(mirrored, strategy
             np.testing.assert_array_equal(copy, copies[0])  # replicas identical
 
 
-def test_two_replicas_equal_one_device_proposals_sampling_and_global_normalisers(mirrored):
-    """One SGD step on 2 replicas moves every weight as one device does.
+def _one_step(strategy):
+    """(loss, update of every trainable weight as one vector) of one SGD step from the seed."""
+    engine = _engine(strategy)
+    before = np.concatenate([weight.numpy().ravel() for weight in engine.model.trainable_weights])
+    loss = engine.train(_batches(strategy), 1).metrics["loss"]
+    after = np.concatenate([weight.numpy().ravel() for weight in engine.model.trainable_weights])
+    return loss, after - before
 
-    One step, because later steps pick proposals and samples from weights that already differ
-    by rounding, and near ties in top-k then amplify it (measured: 5e-5 of the update's scale
-    after one step, 5e-3 after two). The update is lr x gradient, a float32 sum over at most
-    BATCH x SIZE^2 terms per element, so two summation orders differ by at most that many
-    epsilons of the update's scale; a per-replica normaliser or proposal budget would be off
-    by a factor of the replica count.
+
+def test_two_replicas_equal_one_device_proposals_sampling_and_global_normalisers(mirrored):
+    """One SGD step on 2 replicas computes one device's loss and moves the weights as it does.
+
+    The loss: each image's forward pass (proposals, sampled ROIs) is the same in a batch of 4
+    as in two of 2, and the four losses are sums of non-negative terms over global counts, so
+    two summation orders differ by at most (terms x float32 eps) of the loss; a per-replica
+    normaliser or proposal budget would change it by about the replica count.
+    The update, as one vector: on CPU the backward passes of ROIAlign (CropAndResize) and the
+    gathers accumulate in thread order, so even two runs on one device differ (measured up to
+    1.7e-3 of the update's norm), and GroupNorm's backward cancels large terms, which makes
+    that difference no bound from epsilon can cover element by element. A wrong normaliser
+    moves the update by >= 50% (a factor of 2 on some loss); 5% separates the two by 10x
+    both ways. One step only: later steps start from weights that already differ.
     """
-    rounding.assert_replicas_step_like_one_device(_engine, _batches, mirrored, BATCH * SIZE * SIZE)
+    one_device_loss, one_device_update = _one_step(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    replicas_loss, replicas_update = _one_step(mirrored)
+    summed_terms = BATCH * SIZE * SIZE  # more than any of the four losses sums
+    assert abs(replicas_loss - one_device_loss) <= summed_terms * np.finfo(np.float32).eps * one_device_loss
+    difference = np.linalg.norm(replicas_update - one_device_update) / np.linalg.norm(one_device_update)
+    assert difference <= 0.05, f"2-replica update differs from one device's by {difference:.2e} of its norm"
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
@@ -284,11 +302,19 @@ def test_app_trains_faster_rcnn_mixed_then_predicts_float32_boxes_drawn_to_png(t
     for found in record["detections"]:
         assert len(found["box"]) == 4 and found["score"] >= 0.05 and found["name"]
     assert Image.open(record["png"]).size == (100, 80)  # drawn on the original image
-    not_exported = run_python(["-m", "apps.export", f"--model_dir={run}"])
-    assert not_exported.returncode == 2 and "cannot export yet" in not_exported.stderr
-    errors = [line for line in not_exported.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in not_exported.stderr
-    assert not (run / "export").exists()
+    # apps.export with its default formats: SavedModel and .keras, TFLite left out with a note.
+    exported = run_python(["-m", "apps.export", f"--model_dir={run}", "--eval_batches=1", "--batch_size=4"])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "note: no tflite: faster_rcnn_tiny needs CropAndResize and NMS" in exported.stdout
+    assert "two_stage_detector" in exported.stdout and "detection agreement (F1)" in exported.stdout
+    export_dir = run / "export" / "float32"
+    assert sorted(path.name for path in export_dir.iterdir()) == ["export.json", "model.keras", "saved_model"]
+    # apps.predict on the export dir and on the run dir (the detection predict mode).
+    for model in (export_dir, run):
+        kind = predictors.kind_of(str(model))
+        settings = {"score_threshold": 0.05, "output_dir": str(tmp_path / kind / model.name)}
+        (drawn,) = predictors.KINDS[kind].predict_files(str(model), [str(picture)], settings)
+        assert kind == "two_stage_detector" and Image.open(drawn["png"]).size == (100, 80)
     refused = run_python(["-m", "apps.detect", "--model=faster_rcnn_tiny", "--xla=on"] + common)
     assert refused.returncode != 0 and "error:" in refused.stderr and "no XLA kernel" in refused.stderr
     assert "Traceback" not in refused.stderr
