@@ -47,13 +47,21 @@ def assert_replicas_step_like_one_device(build_engine, batches, replicated_strat
     single.train(batches(one_device), 1)
     replicated = build_engine(replicated_strategy)
     replicated.train(batches(replicated_strategy), 1)
-    for start, variable, reference in zip(
-        before, replicated.model.trainable_weights, single.model.trainable_weights
-    ):
-        update = reference.numpy() - start
+    assert_same_update(
+        before,
+        [w.numpy() for w in single.model.trainable_weights],
+        [w.numpy() for w in replicated.model.trainable_weights],
+        summed_terms,
+    )
+
+
+def assert_same_update(start, one_device, replicated, summed_terms, names=None):
+    """Weights after one step from `start` on one device and on replicas (lists of arrays)
+    moved alike: within float32 epsilon x `summed_terms` x each variable's largest update."""
+    for index, (before, reference, variable) in enumerate(zip(start, one_device, replicated)):
+        name = names[index] if names else f"weight {index}"
+        update = reference - before
         scale = np.abs(update).max()
-        assert scale > 0, f"{reference.path} did not train"
+        assert scale > 0, f"{name} did not train"
         tolerance = summed_terms * np.finfo(np.float32).eps * scale
-        np.testing.assert_allclose(
-            variable.numpy() - start, update, rtol=0, atol=tolerance, err_msg=reference.path
-        )
+        np.testing.assert_allclose(variable - before, update, rtol=0, atol=tolerance, err_msg=name)

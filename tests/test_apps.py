@@ -52,7 +52,7 @@ def test_mnist_builtin_default_is_mirrored_over_all_cores(tmp_path):
 @pytest.mark.parametrize(
     "app, dataset, extra",
     [
-        ("classify", "tfds:cifar10", ["--model=resnet20", "--strategy=mirrored", "--cpu_replicas=2"]),
+        ("classify", "tfds:cifar10", ["--model=seed_cnn", "--strategy=mirrored", "--cpu_replicas=2"]),
         ("mnist", "tfds:mnist", []),
     ],
 )

@@ -11,6 +11,7 @@ import math
 import keras
 import numpy as np
 import pytest
+import rounding
 import tensorflow as tf
 from PIL import Image
 
@@ -180,8 +181,11 @@ def test_drawn_detections_are_a_png_with_coloured_boxes(tmp_path):
 
 
 def test_plain_fit_on_two_replicas_ends_with_the_single_device_weights(mirrored):
+    """Keras' own `fit` (no tfmp engine) of the compiled detector: one step on 2 replicas moves
+    the weights as one device does, within float32 rounding of the gradient sums
+    (tests/rounding.py); the losses' global positive count makes that so."""
     images, labels = batch()
-    dataset = tf.data.Dataset.from_tensors((images, labels)).repeat(3)
+    dataset = tf.data.Dataset.from_tensors((images, labels))
 
     def train(strategy):
         with strategy.scope():
@@ -190,8 +194,10 @@ def test_plain_fit_on_two_replicas_ends_with_the_single_device_weights(mirrored)
             model.compile(
                 keras.optimizers.SGD(0.1), loss={"classes": losses.ClassLoss(), "boxes": losses.BoxLoss()}
             )
+        start = model.get_weights()
         model.fit(dataset, epochs=1, verbose=0)
-        return model.get_weights()
+        return start, model.get_weights()
 
-    for one, two in zip(train(tf.distribute.get_strategy()), train(mirrored)):
-        np.testing.assert_allclose(two, one, atol=1e-5)
+    start, one_device = train(tf.distribute.get_strategy())
+    _, replicated = train(mirrored)
+    rounding.assert_same_update(start, one_device, replicated, len(images) * SIZE * SIZE)
