@@ -14,11 +14,17 @@ like the cells. Prints the table, writes bench.json (schema: docs/bench.md) and 
 into --output_dir. Batch sizes are per 1-replica cell: N replicas or workers get N x the batch
 (weak scaling, as in NVIDIA's tables).
 
---models also takes detectors (retinanet_tiny: images/s on the built-in detection shapes at
---image_size, a multiple of 32). --pipeline_micro_batches=1,2,4,8 adds one pipeline cell
-(`tfmp.bench.pipeline`: K=2 stages on two devices against the unsplit --study_model);
---threads_study adds the compute-parallelism cells (`tfmp.bench.threads`: intra-op, inter-op
-and tf.data threads 2 vs 1, steps per host call 10 vs 1, Python threads vs the GIL).
+--models also takes detectors (retinanet_tiny, faster_rcnn_tiny, ...: images/s on the built-in
+detection shapes at --image_size, a multiple of 32; Faster R-CNN refuses --xla=on).
+--pipeline_micro_batches=1,2,4,8 adds one pipeline cell (`tfmp.bench.pipeline`: K=2 stages on
+two devices against the unsplit --study_model); --threads_study adds the compute-parallelism
+cells (`tfmp.bench.threads`: intra-op, inter-op and tf.data threads 2 vs 1, steps per host
+call 10 vs 1, Python threads vs the GIL).
+
+--layer_profile=retinanet_tiny,faster_rcnn_tiny runs only a layer profile of each model at
+--image_size and --global_batch_size (`tfmp.bench.layer_profile`): every layer's forward +
+backward in float32 and mixed_bfloat16, summed by layer class, against the Engine's step
+(timed with --steps_per_execution, --repeats, ...); prints the tables, writes layer_profile.json.
 
 --mode=inference exports each model in each --precisions (float32, float16, bfloat16, mixed,
 auto) as --export_formats and times every artifact next to the Keras model in float32: batch-1
@@ -35,7 +41,9 @@ from tfmp.errors import UsageError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
-    "models", ["seed_cnn"], "Model builders to measure (classifiers, or detectors: retinanet_tiny)."
+    "models",
+    ["seed_cnn"],
+    "Model builders to measure (classifiers, or detectors: retinanet_tiny, faster_rcnn_tiny).",
 )
 flags.DEFINE_list("precisions", ["float32", "auto"], "float32, mixed_float16, mixed_bfloat16, auto, mixed.")
 flags.DEFINE_list("replicas", ["1"], "MirroredStrategy replica counts (GPUs, or logical CPUs).")
@@ -75,6 +83,10 @@ flags.DEFINE_integer("study_batch_size", 64, "Global batch of the pipeline and t
 flags.DEFINE_list("peak_sizes", ["1024", "2048", "4096"], "Square matmul sizes of the peak (best of).")
 flags.DEFINE_integer("peak_repeats", 3, "Timed calls per peak size (best of).")
 flags.DEFINE_float("peak_min_call_seconds", 0.5, "A timed peak call chains matmuls this long, at least.")
+flags.DEFINE_list(
+    "layer_profile", [], "Only profile these models' layers, float32 vs mixed_bfloat16 (layer_profile.json)."
+)
+flags.DEFINE_integer("layer_profile_repeats", 20, "--layer_profile: interleaved rounds (median of).")
 
 
 def _integers(name: str) -> list[int]:
@@ -114,11 +126,18 @@ def _inference_main():
     print(f"\nwrote {config.output_dir}/inference_bench.json")
 
 
-def main(argv):
-    del argv
-    if FLAGS.mode == "inference":
-        return _inference_main()
-    config = bench.BenchConfig(
+def _layer_profile_main(config: bench.BenchConfig):
+    report = bench_runner.run_layer_profile(config, progress=lambda line: print(line, flush=True))
+    for cell in report["cells"]:
+        print()
+        print(bench_report.layer_profile_table(cell))
+    load = report["load_average"]
+    print(f"\nload average (1/5/15 min) before {load['before']}, after {load['after']}")
+    print(f"wrote {config.output_dir}/layer_profile.json")
+
+
+def _config() -> bench.BenchConfig:
+    return bench.BenchConfig(
         models=FLAGS.models,
         precisions=FLAGS.precisions,
         replicas=_integers("replicas"),
@@ -147,7 +166,18 @@ def main(argv):
         peak_sizes=_integers("peak_sizes"),
         peak_repeats=FLAGS.peak_repeats,
         peak_min_call_seconds=FLAGS.peak_min_call_seconds,
+        layer_profile=FLAGS.layer_profile,
+        layer_profile_repeats=FLAGS.layer_profile_repeats,
     )
+
+
+def main(argv):
+    del argv
+    if FLAGS.mode == "inference":
+        return _inference_main()
+    config = _config()
+    if config.layer_profile:
+        return _layer_profile_main(config)
     report = bench_runner.run(config, progress=lambda line: print(line, flush=True))
     print()
     print(bench_report.table(report["cells"], report["ratios"]))

@@ -18,10 +18,11 @@ matched on the device inside the step; "synthetic" repeats one such batch from m
 R-CNN refuses "xla": true (`XLA_UNSUPPORTED`). Optional keys "intra_op_threads",
 "inter_op_threads" (set before TensorFlow starts) and "data_threads" (tf.data private pool)
 change the thread settings.
-Two more kinds: `pipeline` (`tfmp.bench.pipeline.measure` rows, "model", "image_size",
+More kinds: `pipeline` (`tfmp.bench.pipeline.measure` rows, "model", "image_size",
 "global_batch_size", "micro_batches", "steps", "repeats", "precision") and `python_threads`
-(`tfmp.bench.python_threads.measure`, "unit_seconds"), and `environment` (the names and
-hardware facts the parent plans with, `tfmp.bench.matrix.Environment`).
+(`tfmp.bench.python_threads.measure`, "unit_seconds"), `layer_profile` (`tfmp.bench.layer_profile`:
+per-layer milliseconds in "policies" and the Engine step, "layer_repeats" and the engine keys)
+and `environment` (the names and hardware facts the parent plans with, `matrix.Environment`).
 The result is printed as one line: `BENCH_RESULT {json}`.
 """
 
@@ -39,9 +40,9 @@ import keras
 import tensorflow as tf
 
 from tfmp import models, precision
+from tfmp.bench import layer_profile, python_threads
 from tfmp.bench import peak as bench_peak
 from tfmp.bench import pipeline as bench_pipeline
-from tfmp.bench import python_threads
 from tfmp.bench.matrix import RESULT_PREFIX
 from tfmp.classification import data
 from tfmp.classification.task import compile_classifier
@@ -279,6 +280,8 @@ def measure(cell: dict) -> dict:
     distribute.set_threads(cell.get("intra_op_threads", 0), cell.get("inter_op_threads", 0))
     if cell["kind"] == "pipeline":
         return _measure_pipeline(cell)
+    if cell["kind"] == "layer_profile":
+        return layer_profile.measure(cell, _setup(cell["model"]), _time_engine, _executions_per_repeat)
     return _measure_training(cell)
 
 

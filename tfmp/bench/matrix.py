@@ -15,7 +15,9 @@ Two optional studies on `study_model` (a classifier) at `study_image_size` / `st
 `pipeline_micro_batches` adds one `pipeline` cell (`tfmp.bench.pipeline`: K=2 stages on two
 devices for each M, against the unsplit model); `threads_study` adds the thread cells of
 `tfmp.bench.threads` (intra-op, inter-op and tf.data threads, steps per host call, Python
-threads vs the GIL).
+threads vs the GIL). `layer_profile` (a list of model names) plans the cells of a run of its own
+(`runner.run_layer_profile`): each model's layers timed in float32 and mixed_bfloat16 at
+`image_size` and `global_batch_size` against the Engine's step (`tfmp.bench.layer_profile`).
 
 This module runs in the parent process, which never imports TensorFlow (`tfmp.bench.runner`
 says why): what only TensorFlow knows (model names, what "auto" resolves to here) comes in as
@@ -32,6 +34,8 @@ from tfmp.errors import UsageError, unknown
 RESULT_PREFIX = "BENCH_RESULT "  # a cell process prints its result as one line: PREFIX + JSON
 MODES = ("train", "inference")
 DATA_KINDS = ("synthetic", "builtin")
+# The layer profile's policies: the reference first, then the one whose speedup it explains.
+LAYER_PROFILE_POLICIES = ("float32", "mixed_bfloat16")
 
 
 @dataclasses.dataclass
@@ -65,6 +69,8 @@ class BenchConfig:
     peak_sizes: list[int] = dataclasses.field(default_factory=lambda: [1024, 2048, 4096])
     peak_repeats: int = 3  # timed calls per size; the peak is the best over sizes and repeats
     peak_min_call_seconds: float = 0.5  # a timed peak call chains matmuls for at least this long
+    layer_profile: list[str] = dataclasses.field(default_factory=list)  # [] = no layer profile
+    layer_profile_repeats: int = 20  # interleaved rounds: each layer's time is their median
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +117,7 @@ def check(config: BenchConfig) -> None:
         raise UsageError(f"--peak_sizes={config.peak_sizes} needs matrix sizes >= 1, e.g. 1024,2048,4096")
     if config.warmup_executions < 1:
         raise UsageError("--warmup_executions must be >= 1: the first call traces and compiles")
-    for flag in ("study_image_size", "study_batch_size", "threads_rounds"):
+    for flag in ("study_image_size", "study_batch_size", "threads_rounds", "layer_profile_repeats"):
         if getattr(config, flag) < 1:
             raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")
     for micro in config.pipeline_micro_batches:
@@ -124,9 +130,14 @@ def check(config: BenchConfig) -> None:
 
 def check_names(config: BenchConfig, environment: Environment) -> None:
     """Model and precision names, and what detectors need, against this installation."""
-    for name in config.models + config.ratio_models:
+    for name in config.models + config.ratio_models + config.layer_profile:
         if name not in environment.classifiers and not environment.is_detector(name):
             raise unknown("model", name, [*environment.classifiers, *environment.detectors])
+    for name in config.layer_profile:
+        if environment.is_detector(name) and (config.image_size < 32 or config.image_size % 32):
+            raise UsageError(
+                f"--image_size={config.image_size} for {name} in --layer_profile must be a multiple of 32"
+            )
     if any(environment.is_detector(name) for name in config.models):
         if config.data not in DATA_KINDS:
             raise UsageError(
@@ -184,6 +195,31 @@ def study_cells(config: BenchConfig) -> list[dict]:
         # A unit of Python work as long as a timed repeat of the engine cells.
         result.append(bench_threads.python_cell(config.min_repeat_seconds))
     return result
+
+
+def layer_profile_cells(config: BenchConfig) -> list[dict]:
+    """One `layer_profile` cell per model of `config.layer_profile`: its layers and its Engine
+    step (fed one batch from memory, so the input pipeline stays out) in each policy."""
+    return [
+        {
+            "kind": "layer_profile",
+            "model": model,
+            "policies": list(LAYER_PROFILE_POLICIES),
+            "layer_repeats": config.layer_profile_repeats,
+            "image_size": config.image_size,
+            "global_batch_size": config.global_batch_size,
+            "data": "synthetic",
+            "xla": False,
+            "mode": "train",
+            "cache": False,
+            "steps_per_execution": config.steps_per_execution,
+            "warmup_executions": config.warmup_executions,
+            "executions": config.executions,
+            "min_repeat_seconds": config.min_repeat_seconds,
+            "repeats": config.repeats,
+        }
+        for model in config.layer_profile
+    ]
 
 
 def cells(config: BenchConfig, environment: Environment) -> list[dict]:
@@ -274,6 +310,11 @@ def describe_cell(cell: dict) -> str:
         )
     if cell["kind"] == "python_threads":
         return "Python threads vs processes (GIL), TensorFlow on 2 Python threads"
+    if cell["kind"] == "layer_profile":
+        return (
+            f"layer profile {cell['model']} {' vs '.join(cell['policies'])}, {cell['image_size']}px, "
+            f"batch {cell['global_batch_size']}"
+        )
     if cell.get("study") == "threads":
         return (
             f"threads round {cell['round']} {cell['knob']}: {cell['model']} intra {cell['intra_op_threads']} inter "

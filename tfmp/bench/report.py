@@ -10,6 +10,9 @@ tensors, achieved model FLOP/s vs the matmul peak of the same precision, mixed v
 peak memory (whole, and above the process's size before the model was built). The optional studies
 add their own rows: "pipeline" (each K=2, M row of the pipeline cell: throughput relative to
 the unsplit model, bubble measured and in theory) and "threads" (`tfmp.bench.threads.rows`).
+`layer_profile_table(cell)` prints a `layer_profile` cell (`tfmp.bench.layer_profile`): per
+layer class ms in each policy, speedup and share of the step, then the totals, the casts and
+the most expensive layer calls.
 """
 
 from __future__ import annotations
@@ -232,6 +235,66 @@ def pipeline_table(rows: list[dict]) -> str:
         lines.append(
             f"{row['stages']:>2} {row['micro_batches'] or '-':>2} {row['images_per_second']:8.1f} "
             f"{row['relative']:5.2f} {theory:>6} {measured:>6}  {devices}"
+        )
+    return "\n".join(lines)
+
+
+def layer_profile_table(cell: dict, top: int = 8) -> str:
+    """A `layer_profile` cell as text: one row per layer class, the totals against the Engine
+    step, the casts, and the `top` most expensive layer calls of the reference policy."""
+    result = cell["result"]
+    first, last = result["policies"][0], result["policies"][-1]
+    totals = {policy: result["totals"][policy] for policy in (first, last)}
+    header = ("class", "layers", "calls", f"ms {first}", f"ms {last}", "speedup", "share", "share")
+    rows = [
+        (
+            entry["class"],
+            str(entry["layers"]),
+            str(entry["calls"]),
+            f"{entry['ms'][first]:.2f}",
+            f"{entry['ms'][last]:.2f}",
+            _times(entry["speedup"]),
+            _percent(entry["share"][first]),
+            _percent(entry["share"][last]),
+        )
+        for entry in result["classes"]
+    ]
+    for label, key in (
+        ("sum of layers", "layers_ms"),
+        ("whole model fwd+bwd", "model_ms"),
+        ("Engine train step", "step_ms"),
+        ("outside the model fwd+bwd", "outside_model_ms"),
+    ):
+        values = [totals[policy][key] for policy in (first, last)]
+        speedup = _times(values[0] / values[1]) if values[1] > 0 else ""
+        shares = [_percent(totals[p][key] / totals[p]["step_ms"]) for p in (first, last)]
+        rows.append((label, "", "", f"{values[0]:.2f}", f"{values[1]:.2f}", speedup, *shares))
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        f"layer profile: {cell['model']} {cell['image_size']}px, batch {cell['global_batch_size']}: each layer "
+        f"call's forward + backward alone, median of {result['repeats']} interleaved rounds; share: of the "
+        "Engine step, the model's fwd+bwd split in proportion to the classes' ms",
+        *("  ".join(value.ljust(width) for value, width in zip(row, widths)) for row in [header, *rows]),
+    ]
+    lines.insert(2, "  ".join("-" * width for width in widths))
+    lines.append(
+        f"{result['calls']} layer calls, each timed with a tf.function call's fixed cost (an identity "
+        f"function: {result['call_overhead_ms']:.3f} ms)"
+    )
+    mixed = totals[last]
+    lines.append(
+        f"Cast ops in the model's fwd+bwd graph: {first} {totals[first]['casts']}, {last} {mixed['casts']} "
+        f"({mixed['bfloat16_casts']} to/from bfloat16, {mixed['bfloat16_cast_ms']:.2f} ms as one graph "
+        "of tf.casts; already inside the layer rows)"
+    )
+    for policy in (first, last):
+        repeats = ", ".join(f"{value:.1f}" for value in totals[policy]["step_ms_repeats"])
+        lines.append(f"Engine step ms of each repeat, {policy}: {repeats}")
+    lines.append(f"most expensive layer calls ({first} ms / {last} ms, input shapes):")
+    for row in sorted(result["layers"], key=lambda row: -row["ms"][first])[:top]:
+        lines.append(
+            f"  {row['name']}#{row['call']} {row['class']}: {row['ms'][first]:.2f} / {row['ms'][last]:.2f} "
+            f"{_times(row['speedup'])} {row['input_shapes']}"
         )
     return "\n".join(lines)
 

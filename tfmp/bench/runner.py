@@ -8,6 +8,8 @@ Every cell runs as `python -m tfmp.bench.cell '<json>'` (multi-worker cells thro
 `tfmp.launch`, one CPU core or GPU share per worker), warm-up excluded, `repeats` timed repeats
 reported as median and min-max spread; ratios come only from cells measured in the same run
 (`tfmp.bench.report`). Writes `bench.json`, `bench.png` and returns the report.
+`run_layer_profile(config)` runs only the `layer_profile` cells (`matrix.layer_profile_cells`)
+and writes `layer_profile.json`: the date, config, hardware, versions, load averages and cells.
 
 This parent process never imports TensorFlow. A TensorFlow runtime here would hold threads,
 host memory and (on a GPU host) a CUDA context on every GPU while the cells run: it would
@@ -92,6 +94,13 @@ def _headline(result: dict) -> str:
         return f"{result['examples_per_sec']:,.1f} examples/s"
     if "peak_flops" in result:
         return f"{result['peak_flops'] / 1e9:,.1f} GFLOP/s"
+    if "classes" in result:  # a layer profile
+        first, last = result["policies"][0], result["policies"][-1]
+        totals = result["totals"]
+        return (
+            f"model fwd+bwd {totals[first]['model_ms']:.1f} / {totals[last]['model_ms']:.1f} ms of a step of "
+            f"{totals[first]['step_ms']:.1f} / {totals[last]['step_ms']:.1f} ms ({first} / {last})"
+        )
     if "rows" in result:
         return (
             "pipeline rows "
@@ -132,6 +141,19 @@ def hardware() -> dict:
     return info
 
 
+def _measure_all(planned: list[dict], timeout: float, progress) -> None:
+    """Measures each planned cell in turn, writing its result and the load average after it."""
+    started = time.time()
+    for index, cell in enumerate(planned, 1):
+        progress(f"[{index}/{len(planned)}] {matrix.describe_cell(cell)} ...")
+        cell["result"] = measure(cell, timeout)
+        cell["load_average"] = load_average()  # the machine may be shared: how busy it was around this cell
+        progress(
+            f"[{index}/{len(planned)}] {matrix.describe_cell(cell)}: {_headline(cell['result'])} "
+            f"({time.time() - started:.0f} s so far)"
+        )
+
+
 def run(config: matrix.BenchConfig, progress=print) -> dict:
     """Measures every cell, derives the ratios, writes bench.json and bench.png."""
     matrix.check(config)  # before the environment process: plain mistakes fail at once
@@ -140,14 +162,7 @@ def run(config: matrix.BenchConfig, progress=print) -> dict:
     planned = matrix.cells(config, found)
     os.makedirs(config.output_dir, exist_ok=True)
     started, load_before = time.time(), load_average()
-    for index, cell in enumerate(planned, 1):
-        progress(f"[{index}/{len(planned)}] {matrix.describe_cell(cell)} ...")
-        cell["result"] = measure(cell, config.cell_timeout)
-        cell["load_average"] = load_average()  # the machine may be shared: how busy it was around this cell
-        progress(
-            f"[{index}/{len(planned)}] {matrix.describe_cell(cell)}: {_headline(cell['result'])} "
-            f"({time.time() - started:.0f} s so far)"
-        )
+    _measure_all(planned, config.cell_timeout, progress)
     report = {
         "schema_version": schema.SCHEMA_VERSION,
         "config": dataclasses.asdict(config),
@@ -165,4 +180,28 @@ def run(config: matrix.BenchConfig, progress=print) -> dict:
     with open(os.path.join(config.output_dir, "bench.json"), "w", encoding="utf-8") as file:
         json.dump(report, file, indent=2)
     report["chart"] = bench_report.chart(planned, os.path.join(config.output_dir, "bench.png"))
+    return report
+
+
+def run_layer_profile(config: matrix.BenchConfig, progress=print) -> dict:
+    """Profiles the layers of each model of `config.layer_profile` (one fresh process each),
+    writes layer_profile.json into `config.output_dir` and returns the report."""
+    matrix.check(config)
+    found = environment(config.cell_timeout)
+    matrix.check_names(config, found)
+    planned = matrix.layer_profile_cells(config)
+    os.makedirs(config.output_dir, exist_ok=True)
+    started, load_before = time.time(), load_average()
+    _measure_all(planned, config.cell_timeout, progress)
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "seconds": round(time.time() - started, 1),
+        "config": dataclasses.asdict(config),
+        "hardware": dict(hardware(), gpus=found.gpus, cpu_fast_bfloat16=found.cpu_fast_bfloat16),
+        "versions": found.versions,
+        "load_average": {"before": load_before, "after": load_average()},
+        "cells": planned,
+    }
+    with open(os.path.join(config.output_dir, "layer_profile.json"), "w", encoding="utf-8") as file:
+        json.dump(report, file, indent=2)
     return report
