@@ -52,6 +52,7 @@ def assert_replicas_step_like_one_device(build_engine, batches, replicated_strat
         [w.numpy() for w in single.model.trainable_weights],
         [w.numpy() for w in replicated.model.trainable_weights],
         summed_terms,
+        names=[w.path for w in single.model.trainable_weights],
     )
 
 
