@@ -184,21 +184,28 @@ def write_and_compare(model, precision, formats, directory, reference_images, op
         raw, found = detections(predictor, reference_images)
         differences = {key: float(np.max(np.abs(raw[key] - expected[key]))) for key in ("classes", "boxes")}
         rows.append(
-            {
-                "format": name,
-                "file": export.FILE_NAMES[name],
-                "precision": export.artifact_precision(name, precision),
-                "outputs": "detections after NMS (+ raw_outputs signature)"
-                if name == "saved_model"
-                else "raw logits and box deltas",
-                "size_bytes": export.disk_size(path),
-                "max_abs_difference": max(differences.values()),
-                "max_abs_difference_per_output": differences,
-                "detection_agreement": agreement(expected_detections, found),
-                "reference_detections": int(expected_detections["valid_detections"].sum()),
-            }
+            artifact_row(
+                name, path, precision, "raw logits and box deltas", differences, expected_detections, found
+            )
         )
     return rows
+
+
+def artifact_row(name, path, precision, outputs, differences, reference, found) -> dict:
+    """One row of a detector kind's difference table: the artifact `name` at `path`, what a
+    non-SavedModel artifact `outputs`, the max |difference| per raw output, and the agreement
+    of its detections `found` with the `reference` detections."""
+    return {
+        "format": name,
+        "file": export.FILE_NAMES[name],
+        "precision": export.artifact_precision(name, precision),
+        "outputs": "detections after NMS (+ raw_outputs signature)" if name == "saved_model" else outputs,
+        "size_bytes": export.disk_size(path),
+        "max_abs_difference": max(differences.values()),
+        "max_abs_difference_per_output": differences,
+        "detection_agreement": agreement(reference, found),
+        "reference_detections": int(reference["valid_detections"].sum()),
+    }
 
 
 def table_lines(rows: list[dict]) -> tuple[tuple, list[tuple]]:

@@ -172,22 +172,10 @@ def write_and_compare(model, precision, formats, directory, reference_images, op
         differences = {key: float(np.max(np.abs(raw[key] - expected_raw[key]))) for key in RPN_KEYS}
         pairs = detector.matches(expected, found)
         score_differences = [abs(expected["scores"][r, i] - found["scores"][r, j]) for r, i, j in pairs]
-        rows.append(
-            {
-                "format": name,
-                "file": export.FILE_NAMES[name],
-                "precision": precision,
-                "outputs": "detections after NMS (+ raw_outputs signature)"
-                if name == "saved_model"
-                else "every model output (detections after NMS)",
-                "size_bytes": export.disk_size(path),
-                "max_abs_difference": max(differences.values()),
-                "max_abs_difference_per_output": differences,
-                "max_matched_score_difference": float(max(score_differences, default=0.0)),
-                "detection_agreement": detector.agreement(expected, found),
-                "reference_detections": int(expected["valid_detections"].sum()),
-            }
+        row = detector.artifact_row(
+            name, path, precision, "every model output (detections after NMS)", differences, expected, found
         )
+        rows.append({**row, "max_matched_score_difference": float(max(score_differences, default=0.0))})
     return rows
 
 
