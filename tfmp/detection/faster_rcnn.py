@@ -123,6 +123,55 @@ class FasterRCNN(keras.Model):
         layer = self.get_layer(f"{self.name}_proposals")
         return layer.image_size, layer.config
 
+    # What `compiled_forward` hands to XLA (the engine's run card and docs quote it).
+    XLA_PARTS = (
+        "backbone, FPN, RPN head and box head compiled per replica; proposals, ROI sampling, "
+        "ROIAlign and NMS run outside XLA"
+    )
+
+    def compiled_forward(self, jit_compile: bool = True):
+        """The engine's forward pass under `--xla=on`: `fn(inputs, training) -> outputs`.
+
+        The whole model cannot be one XLA cluster: proposals and ROI sampling have
+        data-dependent top-k/NMS, and CropAndResize and NMS have no XLA kernel. So the model
+        runs as three sub-models sharing its layers (and variables): images -> RPN outputs and
+        the ROI features (static shapes: compiled), -> proposals, sampled ROIs and ROIAlign (not
+        compiled), pooled ROIs -> box head (static shapes: compiled); then the detections layer.
+        The gradient of each compiled part is compiled with it. `jit_compile=False` runs the
+        same split uncompiled (tests compare it with one call of the model)."""
+        name, outputs = self.name, self.output
+        images, gt_boxes, gt_classes = (self.input[key] for key in ("images", "gt_boxes", "gt_classes"))
+        roi_align = self.get_layer(f"{name}_roi_align")
+        _, *features = roi_align.input
+        rpn = [outputs["rpn_scores"], outputs["rpn_deltas"]]
+        sampled = [outputs["rois"], outputs["roi_weights"], roi_align.output]
+        dense = keras.Model(images, [*rpn, *features], name=f"{name}_xla_dense")
+        rois = keras.Model([*rpn, *features, gt_boxes, gt_classes], sampled, name=f"{name}_rois")
+        head = keras.Model(
+            roi_align.output, [outputs["roi_classes"], outputs["roi_deltas"]], name=f"{name}_xla_head"
+        )
+        detections = self.get_layer(f"{name}_detections")
+        compiled = lambda model: tf.function(model, jit_compile=True) if jit_compile else model  # noqa: E731
+        dense_call, head_call = compiled(dense), compiled(head)
+
+        def forward(inputs, training=False):
+            scores, deltas, *levels = dense_call(inputs["images"], training=training)
+            truth = [inputs["gt_boxes"], inputs["gt_classes"]]
+            sampled, weights, pooled = rois([scores, deltas, *levels, *truth], training=training)
+            logits, roi_deltas = head_call(pooled, training=training)
+            found = detections([sampled, weights, logits, roi_deltas], training=training)
+            return {
+                "rpn_scores": scores,
+                "rpn_deltas": deltas,
+                "rois": sampled,
+                "roi_weights": weights,
+                "roi_classes": logits,
+                "roi_deltas": roi_deltas,
+                **found,
+            }
+
+        return forward
+
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         if getattr(self, "rcnn_loss", None) is None:
             raise UsageError(f"model {self.name!r} needs compile(optimizer, loss=FasterRCNNLoss(...))")

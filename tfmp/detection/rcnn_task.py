@@ -10,8 +10,10 @@ four losses of `tfmp.detection.rcnn_losses`, each over a global-batch count (`gl
 Evaluation gathers the model's own float32 detections (per-class NMS inside the model) from
 every replica and worker (`Engine.predict`) and scores COCO metrics with pycocotools.
 
-XLA: the engine compiles the whole forward pass, and ROIAlign (`CropAndResize`) and NMS
-(`CombinedNonMaxSuppression`) have no XLA kernels, so `--xla=on` is refused with a message.
+XLA (`--xla=on`): proposals and ROI sampling have data-dependent shapes, and ROIAlign
+(`CropAndResize`) and NMS (`CombinedNonMaxSuppression`) have no XLA kernels, so the engine
+compiles only the static-shaped parts (`FasterRCNN.compiled_forward`): the backbone, FPN and
+RPN head, and the box head, each with its gradient.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import tensorflow as tf
 
 from tfmp.detection import boxes, data, evaluation, faster_rcnn, proposals, rcnn_losses
 from tfmp.detection.task import DetectionTask
-from tfmp.errors import UsageError
 from tfmp.input import stream
 from tfmp.training import fitting
 
@@ -67,11 +68,6 @@ class FasterRCNNTask(DetectionTask):
             )
 
     def compile(self, model, optimizer, plan) -> keras.Model:
-        if plan.use_xla:
-            raise UsageError(
-                f"{model.name} with XLA ({plan.xla_reason}): the engine compiles the whole forward pass, "
-                "and ROIAlign (CropAndResize) and NMS have no XLA kernel; pass --xla=off"
-            )
         with plan.strategy.scope():
             model.compile(optimizer=optimizer, loss=rcnn_losses.FasterRCNNLoss(self.class_loss))
         size = plan.info.image_size

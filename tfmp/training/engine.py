@@ -18,7 +18,8 @@ does what Keras' own `train_step` does, so the numbers are Keras' numbers:
 - metrics are the model's compiled metrics (and its loss trackers): Keras keeps them in
   SUM-on-read variables, so each replica accumulates locally (no communication per step) and a
   read after the host call reduces them over every replica and worker;
-- with XLA the model's forward pass (and with it its backward pass) is compiled per replica.
+- with XLA the model's forward pass (and with it its backward pass) is compiled per replica;
+  a model that defines `compiled_forward()` (Faster R-CNN) compiles only the parts it names.
   The loss, the gradient all-reduce and the optimizer update stay outside the cluster, which is
   what makes XLA work under Mirrored and MultiWorkerMirrored alike, and lets a loss all-reduce;
 - loss scaling is `optimizer.scale_loss` then `optimizer.apply` (which unscales); with
@@ -104,8 +105,14 @@ class Engine:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM,
             )
+        # What XLA compiles, for run cards: the whole forward pass, or the parts a model names.
+        self.xla_parts = getattr(model, "XLA_PARTS", "forward+backward compiled per replica")
         if forward is not None:
             self._forward = lambda x, training: forward(self, x, training)
+        elif xla and hasattr(model, "compiled_forward"):
+            # A model with ops XLA has no kernel for (Faster R-CNN's NMS, CropAndResize) hands
+            # over a forward pass that compiles only its static-shaped parts.
+            self._forward = model.compiled_forward()
         else:
             self._forward = tf.function(self._forward_fn, jit_compile=True) if xla else self._forward_fn
         self._gradients = (lambda *args: gradients(self, *args)) if gradients else self._forward_backward

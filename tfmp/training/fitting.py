@@ -331,7 +331,7 @@ def run_card(
         "global batch": global_batch_size,
         "per-replica batch": global_batch_size // topology.replicas,
         "steps": f"{epochs * steps_per_epoch} ({epochs} epoch(s) x {steps_per_epoch}), from step {start_step}",
-        "xla": "on (forward+backward compiled per replica)" if xla else "off",
+        "xla": f"on ({engine.xla_parts})" if xla else "off",
         "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
         "model dir": os.path.abspath(model_dir) if model_dir else "none (no checkpoints or logs)",
     }

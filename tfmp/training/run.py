@@ -188,7 +188,7 @@ def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir
         f"warmup {optimization.warmup_steps}, decay {optimization.lr_decay})",
         "steps": f"{plan.total_steps} ({plan.epochs} epoch(s) x {plan.steps_per_epoch}), from step {start_step}",
         "steps per execution": config.distribution.steps_per_execution,
-        "xla": f"{'on' if plan.use_xla else 'off'} ({plan.xla_reason}; forward+backward compiled per replica)",
+        "xla": f"{'on' if plan.use_xla else 'off'} ({plan.xla_reason}; {engine.xla_parts})",
         "shard policy": ", ".join(sorted(set(shard_policies))) or "n/a",
         "threads": f"intra-op {distribution.intra_op_threads or 'default'}, "
         f"inter-op {distribution.inter_op_threads or 'default'}, "
