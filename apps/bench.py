@@ -15,7 +15,8 @@ into --output_dir. Batch sizes are per 1-replica cell: N replicas or workers get
 (weak scaling, as in NVIDIA's tables).
 
 --models also takes detectors (retinanet_tiny, faster_rcnn_tiny, ...: images/s on the built-in
-detection shapes at --image_size, a multiple of 32; Faster R-CNN refuses --xla=on).
+detection shapes at --image_size, a multiple of 32; with --xla=on Faster R-CNN compiles its
+backbone, FPN, RPN and box head, not ROIAlign and NMS).
 --pipeline_micro_batches=1,2,4,8 adds one pipeline cell (`tfmp.bench.pipeline`: K=2 stages on
 two devices against the unsplit --study_model); --threads_study adds the compute-parallelism
 cells (`tfmp.bench.threads`: intra-op, inter-op and tf.data threads 2 vs 1, steps per host

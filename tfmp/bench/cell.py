@@ -14,8 +14,8 @@ FLOP/s ceiling the cells are compared to; keys "sizes", "repeats", "min_call_sec
 A detector name as "model" (`tfmp.detection.retinanet.DETECTORS` or
 `tfmp.detection.faster_rcnn.DETECTORS`) trains it on the built-in detection `shapes` data: the
 pipeline draws the scenes and pads the ground truth, anchors (and Faster R-CNN's ROIs) are
-matched on the device inside the step; "synthetic" repeats one such batch from memory. Faster
-R-CNN refuses "xla": true (`XLA_UNSUPPORTED`). Optional keys "intra_op_threads",
+matched on the device inside the step; "synthetic" repeats one such batch from memory. With
+"xla": true Faster R-CNN compiles its static-shaped parts (`FasterRCNN.XLA_PARTS`). Optional keys "intra_op_threads",
 "inter_op_threads" (set before TensorFlow starts) and "data_threads" (tf.data private pool)
 change the thread settings.
 More kinds: `pipeline` (`tfmp.bench.pipeline.measure` rows, "model", "image_size",
@@ -40,7 +40,7 @@ import keras
 import tensorflow as tf
 
 from tfmp import models, precision
-from tfmp.bench import layer_profile, python_threads
+from tfmp.bench import input_cost, layer_profile, python_threads
 from tfmp.bench import peak as bench_peak
 from tfmp.bench import pipeline as bench_pipeline
 from tfmp.bench.matrix import RESULT_PREFIX
@@ -50,16 +50,10 @@ from tfmp.detection import data as detection_data
 from tfmp.detection import faster_rcnn, losses, rcnn_losses, rcnn_task, retinanet, targets
 from tfmp.detection.task import compile_detector
 from tfmp.distribute import strategies as distribute
-from tfmp.errors import UsageError
 from tfmp.training import fitting
 from tfmp.training.engine import Engine
 
 MNIST_SHAPED = ("mnist_mlp", "lenet")
-# Detectors the engine cannot compile with XLA, and why (the parent refuses such matrices).
-XLA_UNSUPPORTED = {
-    name: "ROIAlign (CropAndResize) and NMS have no XLA kernel, and the engine compiles the whole forward pass"
-    for name in faster_rcnn.DETECTORS
-}
 
 
 def is_detector(name: str) -> bool:
@@ -71,7 +65,6 @@ def environment() -> dict:
     return {
         "classifiers": list(models.MODELS),
         "detectors": [*retinanet.DETECTORS, *faster_rcnn.DETECTORS],
-        "xla_unsupported": XLA_UNSUPPORTED,
         "policies": {choice: precision.resolve(choice).policy for choice in precision.CHOICES},
         "gpus": [gpu.name for gpu in tf.config.list_physical_devices("GPU")],
         "cpu_fast_bfloat16": precision.detect_hardware().cpu_fast_bfloat16,
@@ -160,8 +153,6 @@ def _faster_rcnn_setup(cell: dict, strategy, policy: str):
     """(compiled Faster R-CNN, optimizer, dataset_fn(input_context), image shape) on `shapes`,
     compiled as `rcnn_task.FasterRCNNTask` compiles it (its loss, built for
     `rcnn_task.model_elements`: `(inputs,)` with the padded ground truth among the inputs)."""
-    if cell["xla"]:
-        raise UsageError(f"{cell['model']} with XLA: {XLA_UNSUPPORTED[cell['model']]}; use xla off")
     size = cell["image_size"]
     info = detection_data.describe("shapes", image_size=size)
     keras.utils.set_random_seed(0)
@@ -276,6 +267,8 @@ def measure(cell: dict) -> dict:
         return bench_peak.measure(cell["precision"], cell["sizes"], cell["repeats"], cell["min_call_seconds"])
     if cell["kind"] == "python_threads":
         return python_threads.measure(cell["unit_seconds"])
+    if cell["kind"] == "input_cost":
+        return input_cost.measure(cell)
     # Before anything starts TensorFlow's runtime: it fixes its thread pools then.
     distribute.set_threads(cell.get("intra_op_threads", 0), cell.get("inter_op_threads", 0))
     if cell["kind"] == "pipeline":

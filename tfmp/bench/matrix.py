@@ -9,8 +9,8 @@ engine cells (tfmp's Engine), the same model under plain Keras `fit` (engine ove
 from synthetic in-memory tensors (input-pipeline overhead), one matmul peak per precision.
 A detector in `models` (retinanet_tiny, faster_rcnn_tiny, ...) trains on the built-in detection
 `shapes` data at `image_size` (a multiple of 32); it gets no Keras-fit reference (its losses
-are tfmp's), only the synthetic-input one. A matrix with XLA on and a detector that cannot
-compile with XLA (Faster R-CNN: `Environment.xla_unsupported` says why) is refused in one line.
+are tfmp's), only the synthetic-input one; with XLA on, Faster R-CNN compiles its
+static-shaped parts (backbone, FPN, RPN and box head).
 Two optional studies on `study_model` (a classifier) at `study_image_size` / `study_batch_size`:
 `pipeline_micro_batches` adds one `pipeline` cell (`tfmp.bench.pipeline`: K=2 stages on two
 devices for each M, against the unsplit model); `threads_study` adds the thread cells of
@@ -36,6 +36,7 @@ MODES = ("train", "inference")
 DATA_KINDS = ("synthetic", "builtin")
 # The layer profile's policies: the reference first, then the one whose speedup it explains.
 LAYER_PROFILE_POLICIES = ("float32", "mixed_bfloat16")
+INPUT_COST_BATCHES = 10  # timed batches per pipeline and round of an input_cost cell
 
 
 @dataclasses.dataclass
@@ -83,8 +84,6 @@ class Environment:
     gpus: list[str]
     cpu_fast_bfloat16: bool
     versions: dict[str, str]  # tensorflow, keras
-    # Models the engine cannot compile with XLA -> why (tfmp.bench.cell.XLA_UNSUPPORTED).
-    xla_unsupported: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def is_detector(self, name: str) -> bool:
         return name in self.detectors
@@ -146,13 +145,6 @@ def check_names(config: BenchConfig, environment: Environment) -> None:
         if config.image_size < 32 or config.image_size % 32:
             raise UsageError(
                 f"--image_size={config.image_size} for a detector must be a multiple of 32, e.g. 128"
-            )
-    xla_on = True in config.xla
-    for name in config.models:
-        if xla_on and name in environment.xla_unsupported:
-            raise UsageError(
-                f"--xla=on for {name}: {environment.xla_unsupported[name]}; pass --xla=off "
-                f"or leave {name} out of --models"
             )
     studies = config.threads_study or config.pipeline_micro_batches
     if studies and config.study_model not in environment.classifiers:
@@ -297,7 +289,24 @@ def cells(config: BenchConfig, environment: Environment) -> list[dict]:
                         result.append(dict(single, kind="fit"))
                         if config.data != "synthetic":
                             result.append(dict(single, kind="engine", data="synthetic", reference="input"))
-    return result + study_cells(config)
+    return result + input_cost_cells(config, environment) + study_cells(config)
+
+
+def input_cost_cells(config: BenchConfig, environment: Environment) -> list[dict]:
+    """With detectors on the built-in data and references on: one `input_cost` cell, what one
+    image costs the input pipeline, drawn `shapes` vs a JPEG decode (`tfmp.bench.input_cost`)."""
+    detectors = [name for name in config.models if environment.is_detector(name)]
+    if not (detectors and config.references and config.data == "builtin"):
+        return []
+    return [
+        {
+            "kind": "input_cost",
+            "image_size": config.image_size,
+            "global_batch_size": config.global_batch_size,
+            "batches": INPUT_COST_BATCHES,
+            "repeats": config.repeats,
+        }
+    ]
 
 
 def describe_cell(cell: dict) -> str:
@@ -310,6 +319,11 @@ def describe_cell(cell: dict) -> str:
         )
     if cell["kind"] == "python_threads":
         return "Python threads vs processes (GIL), TensorFlow on 2 Python threads"
+    if cell["kind"] == "input_cost":
+        return (
+            f"input cost per image, one thread: shapes drawn vs JPEG decoded, {cell['image_size']}px, "
+            f"batch {cell['global_batch_size']}"
+        )
     if cell["kind"] == "layer_profile":
         return (
             f"layer profile {cell['model']} {' vs '.join(cell['policies'])}, {cell['image_size']}px, "

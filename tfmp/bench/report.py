@@ -104,6 +104,7 @@ def derive(cells: list[dict]) -> dict:
                     )
                 )
     ratios["pipeline"] = _pipeline_rows(cells)
+    ratios["input_cost"] = _input_cost_rows(cells)
     ratios["threads"] = bench_threads.rows(cells)
     return ratios
 
@@ -134,6 +135,27 @@ def _pipeline_rows(cells: list[dict]) -> list[dict]:
                         "value": row["relative"],
                         "bubble_theory": row["bubble_theory"],
                         "bubble_measured": row["bubble_measured"],
+                    }
+                )
+    return result
+
+
+def _input_cost_rows(cells: list[dict]) -> list[dict]:
+    """Drawn / JPEG images per second (one thread) of a measured input_cost cell, plain and
+    augmented: >= 1 means a drawn scene costs the input pipeline no more than a JPEG."""
+    result = []
+    for cell in cells:
+        if cell["kind"] == "input_cost" and "result" in cell:
+            speed = cell["result"]["images_per_second"]
+            for pipeline, reference in (("drawn", "jpeg"), ("drawn_augmented", "jpeg_augmented")):
+                result.append(
+                    {
+                        "image_size": cell["image_size"],
+                        "pipeline": pipeline,
+                        "reference": reference,
+                        "images_per_second": speed[pipeline],
+                        "reference_images_per_second": speed[reference],
+                        "value": speed[pipeline] / speed[reference],
                     }
                 )
     return result
@@ -204,6 +226,11 @@ def table(cells: list[dict], ratios: dict) -> str:
                 f"{title}: {ratio['model']} {ratio['precision']} xla={'on' if ratio['xla'] else 'off'}: "
                 f"{ratio['value']:.3f}"
             )
+    for row in ratios.get("input_cost", []):
+        lines.append(
+            f"input cost, one thread, {row['image_size']}px: {row['pipeline']} {row['images_per_second']:.0f} "
+            f"img/s / {row['reference']} {row['reference_images_per_second']:.0f} img/s: {row['value']:.2f}"
+        )
     for cell in cells:
         if cell["kind"] == "pipeline":
             lines += [

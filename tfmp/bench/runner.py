@@ -101,6 +101,8 @@ def _headline(result: dict) -> str:
             f"model fwd+bwd {totals[first]['model_ms']:.1f} / {totals[last]['model_ms']:.1f} ms of a step of "
             f"{totals[first]['step_ms']:.1f} / {totals[last]['step_ms']:.1f} ms ({first} / {last})"
         )
+    if "ratios" in result:  # an input cost
+        return ", ".join(f"{name} {value:.2f}" for name, value in result["ratios"].items())
     if "rows" in result:
         return (
             "pipeline rows "

@@ -108,6 +108,14 @@ RATIOS = {
         "bubble_theory": "number",
         "bubble_measured": "number",
     },
+    "input_cost": {
+        "image_size": "integer",
+        "pipeline": "string",
+        "reference": "string",
+        "images_per_second": "number",
+        "reference_images_per_second": "number",
+        "value": "number",
+    },
     "threads": {
         "knob": "string",
         "setting": "string",
