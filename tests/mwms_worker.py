@@ -44,6 +44,9 @@ IMAGE_SIZE = 16
 
 
 def main():
+    # As in the pytest processes (tests/conftest.py): no Grappler rewrites of the freshly traced
+    # graphs these cells run for a few steps; the reference runs of test_fit compare alike.
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     strategy = distribute.get_strategy("auto")
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     print(json.dumps({"kind": "strategy", "multi_worker": multi_worker}), flush=True)

@@ -2,13 +2,14 @@
 
 import json
 import math
+import sys
 
 import pytest
 import tensorflow as tf
 
-from tfmp.distribute import cluster
+from tfmp.distribute import cluster, launch
 from tfmp.distribute import strategies as distribute
-from tfmp.errors import UsageError
+from tfmp.errors import EXIT_PREEMPTED, UsageError
 
 
 def _tf_config(cluster, task_type="worker", index=0):
@@ -99,3 +100,23 @@ def test_split_cpu_after_start_is_refused_with_the_counts():
     ):
         distribute.split_cpu(3)
     distribute.split_cpu(2)  # the same split again is fine
+
+
+# Stand-in workers (no TensorFlow): exit 42 (EXIT_PREEMPTED) the first time each runs, then 0.
+PREEMPTED_ONCE = (
+    "import json, os, sys; "
+    "marker = os.path.join(sys.argv[1], str(json.loads(os.environ['TF_CONFIG'])['task']['index'])); "
+    "first = not os.path.exists(marker); open(marker, 'w').close(); "
+    "sys.exit(42 if first else 0)"
+)
+
+
+@pytest.mark.parametrize("max_restarts, code", [(0, EXIT_PREEMPTED), (1, 0)])
+def test_a_preempted_group_exits_42_or_is_restarted(tmp_path, monkeypatch, capfd, max_restarts, code):
+    """Workers that checkpointed on a preemption notice exit 42: without restarts the launcher
+    exits 42 too (for a scheduler to requeue the job); with --max_restarts it restarts the group,
+    which resumes (tests/test_multi_worker.py does it with real training)."""
+    monkeypatch.setenv(launch.RUN_NAME_ENV, "preempted")
+    command = [sys.executable, "-c", PREEMPTED_ONCE, str(tmp_path)]
+    assert launch.launch_local(command, num_workers=2, max_restarts=max_restarts) == code
+    assert ("[launch] restart 1/1" in capfd.readouterr().out) == (max_restarts == 1)

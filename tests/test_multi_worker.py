@@ -1,7 +1,8 @@
 """Multi-worker training for real: tfmp.launch starting 2 worker processes on localhost.
 
-Happy path against a single process, a SIGKILLed worker restarted from its checkpoint, a
-SIGTERMed worker checkpointing with its peer, an unreachable peer, malformed TF_CONFIGs.
+Happy path against a single process, a SIGTERMed worker checkpointing with its peer and a
+SIGKILLed one, each restarting the group from its checkpoint, an unreachable peer, malformed
+TF_CONFIGs.
 """
 
 import glob
@@ -19,7 +20,6 @@ import pytest
 from conftest import ROOT, peer_errors_once_formed, run_python
 
 from tfmp.distribute import launch
-from tfmp.errors import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 
@@ -69,15 +69,6 @@ def _digest(summary):
 def _checkpoint_steps(tmp_path):
     paths = glob.glob(str(tmp_path / "run" / "checkpoints" / "ckpt-*.index"))
     return sorted(int(re.search(r"ckpt-(\d+)", p).group(1)) for p in paths)
-
-
-def _wait_for_checkpoint(process, tmp_path, at_least=1, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline and process.poll() is None:
-        if len(_checkpoint_steps(tmp_path)) >= at_least:
-            return
-        time.sleep(0.2)
-    pytest.fail(f"no checkpoint appeared (launcher exit {process.poll()})")
 
 
 def _workers_of(process):
@@ -155,54 +146,68 @@ def test_app_goes_multi_worker_under_the_launcher_and_prunes_identically(tmp_pat
     assert np.mean(first == 0) == pytest.approx(0.5, abs=0.02)
 
 
-def test_killed_worker_restarts_group_from_last_checkpoint(tmp_path):
-    command = _launch(
-        tmp_path, ["--steps=120", "--steps_per_epoch=120", "--checkpoint_every=20"], "--max_restarts=1"
-    )
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=_env(tmp_path), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    _wait_for_checkpoint(process, tmp_path)
-    os.kill(_workers_of(process)[1], signal.SIGKILL)
-    output, _ = process.communicate(timeout=600)
-    assert process.returncode == 0, output[-4000:]
-    assert "[launch] worker 1 exited with -9" in output and "[launch] restart 1/1" in output
-    summaries = _summaries(output)
-    assert _digest(summaries[0]) == _digest(summaries[1])
-    # Resumed from a checkpoint: the step count ends exactly at the plan, every step applied once.
-    assert "120 steps (120 applied)" in summaries[0], summaries[0]
-    resumed_from = json.load(open(tmp_path / "run" / "run_card.json"))["steps"].split("from step ")[1]
-    assert int(resumed_from) in range(20, 120, 20)
-    assert not os.listdir(tmp_path / "tmp")
+def _wait_for_log_past(process, tmp_path, step, timeout=300):
+    """Waits until metrics.jsonl logs a training step beyond `step` (the group is training)."""
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists():
+            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line]
+            if steps and max(steps) > step:
+                return
+        time.sleep(0.05)
+    pytest.fail(f"training did not log past step {step} (launcher exit {process.poll()})")
 
 
-def test_sigterm_on_one_worker_checkpoints_all_and_a_restart_finishes(tmp_path):
+def _next_group(process, group, timeout=300):
+    """The worker pids of the group the launcher starts after `group` ended."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        workers = _workers_of(process)
+        if len(workers) == 2 and not set(workers) & set(group):
+            return workers
+        time.sleep(0.05)
+    pytest.fail(f"the launcher started no new group (launcher exit {process.poll()})")
+
+
+def test_sigterm_then_sigkill_on_a_worker_each_restart_the_group_from_its_checkpoint(tmp_path):
+    """One launched group, two failures (one group start instead of two):
+    1. SIGTERM on worker 1 (a preemption notice): both workers save the same checkpoint between
+       the periodic ones and exit 42; with --max_restarts the launcher restarts the group;
+    2. SIGKILL on worker 1 of the restarted group: the launcher restarts it again;
+    the group resumes from the last checkpoint and ends exactly at the planned step count with
+    identical weights on both workers. (Without restarts a preempted group's exit status is 42:
+    tests/test_distribute.py, with stand-in workers.)"""
     # 200 steps: the SIGTERM lands right after the first log (step 10), ~190 steps before the end.
     flags = ["--steps=200", "--steps_per_epoch=200", "--checkpoint_every=50"]
     process = subprocess.Popen(
-        _launch(tmp_path, flags),
+        _launch(tmp_path, flags, "--max_restarts=2"),
         cwd=ROOT,
         env=_env(tmp_path),
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while not (metrics.exists() and metrics.read_text()) and time.time() < deadline:
-        time.sleep(0.05)  # training has logged its first steps: now preempt worker 1
-    os.kill(_workers_of(process)[1], signal.SIGTERM)
-    output, _ = process.communicate(timeout=300)
-    assert process.returncode == EXIT_PREEMPTED, output[-4000:]
+    _wait_for_log_past(process, tmp_path, 0)
+    first_group = _workers_of(process)
+    os.kill(first_group[1], signal.SIGTERM)
+    second_group = _next_group(process, first_group)
+    preempted_at = _checkpoint_steps(tmp_path)[-1]
+    _wait_for_log_past(process, tmp_path, preempted_at)  # the restarted group trains again
+    os.kill(second_group[1], signal.SIGKILL)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
     assert output.count("preempted: SIGTERM on a worker: checkpoint saved at step") == 2, output[-4000:]
-    saved = _checkpoint_steps(tmp_path)
-    assert saved and saved[-1] % 50 != 0, saved  # the preemption checkpoint, between periodic ones
-    restart = subprocess.run(
-        _launch(tmp_path, flags), cwd=ROOT, env=_env(tmp_path), text=True, capture_output=True, timeout=600
-    )
-    assert restart.returncode == 0, restart.stdout[-3000:]
-    assert json.load(open(tmp_path / "run" / "run_card.json"))["steps"].endswith(f"from step {saved[-1]}")
-    assert "200 steps (200 applied)" in _summaries(restart.stdout)[0]
+    assert preempted_at % 50 != 0, preempted_at  # the preemption checkpoint, between periodic ones
+    assert "[launch] restart 1/2" in output and "[launch] restart 2/2" in output
+    assert "[launch] worker 1 exited with -9" in output
+    summaries = _summaries(output)
+    assert _digest(summaries[0]) == _digest(summaries[1])
+    # Resumed from a checkpoint: the step count ends exactly at the plan, every step applied once.
+    assert "200 steps (200 applied)" in summaries[0], summaries[0]
+    resumed_from = json.load(open(tmp_path / "run" / "run_card.json"))["steps"].split("from step ")[1]
+    assert int(resumed_from) >= preempted_at
+    assert not os.listdir(tmp_path / "tmp")
 
 
 def test_unreachable_peer_fails_fast_naming_it(tmp_path):
