@@ -11,9 +11,10 @@ images/s is what one core delivers and the ratios are per-image costs:
 - "drawn": `tfmp.detection.data.load("shapes", "train", ...)` as `apps.detect` trains on it
   (random numbers per example, the scenes drawn per batch, the ground truth padded);
 - "jpeg": the same scenes encoded once as in-memory JPEGs (quality 75, libjpeg's default: the
-  cheapest decode a real dataset would plausibly need), then decoded, fitted to the square
-  input and padded per example as `tfmp.detection.data` reads COCO or TFDS images, and batched.
-  No file reads: a real pipeline only adds to it;
+  cheapest decode a real dataset would plausibly need), read as a detection `Source` through
+  the same training pipeline (`tfmp.detection.data.load_source`): decoded, fitted to the square
+  input and padded per example as COCO or TFDS images are, then batched. No file reads: a real
+  pipeline only adds to it;
 - "drawn_augmented", "jpeg_augmented": the same plus `apps.detect`'s default augmentation
   (scale jitter, crop/pad, flip: `tfmp.detection.data.augment_batch`).
 Each round builds every pipeline afresh, skips its first batches (tracing, filling buffers),
@@ -23,13 +24,14 @@ images/s is the median of `repeats` rounds.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 import tensorflow as tf
 
 from tfmp.detection import data as detection_data
-from tfmp.input import stream
+from tfmp.input.source import Source
 
 JPEG_QUALITY = 75
 WARMUP_BATCHES = 2
@@ -57,39 +59,32 @@ def _encoded_scenes(size: int, count: int):
     return tf.stack(images), boxes, classes
 
 
-def _jpeg(scenes, size: int, batch: int, augment: bool, seed: int = 0) -> tf.data.Dataset:
-    """Decode -> fit to the square input -> pad the boxes, per example; batch; augment; the
-    training elements `(images, truth)` of `tfmp.detection.data.load`."""
+def _jpeg_source(scenes, size: int) -> Source:
+    """The encoded scenes as a detection `Source` whose items decode like a COCO image file's
+    (`tfmp.detection.sources.coco_source`), from memory instead of disk."""
     jpegs, boxes, classes = scenes
-    max_boxes = int(boxes.shape[1])
+    count = int(jpegs.shape[0])
+    info = dataclasses.replace(
+        detection_data.describe("shapes", image_size=size), name="jpeg (in memory)", train_examples=count
+    )
 
-    def decode(jpeg, image_boxes, image_classes):
-        image = tf.cast(tf.io.decode_jpeg(jpeg, channels=3), tf.float32) / 255.0
-        keep = image_classes >= 0
-        image, kept_boxes, kept_classes, _ = detection_data.fit_to_square(
-            image, image_boxes[keep], image_classes[keep], size
-        )
-        kept_boxes, kept_classes = detection_data.pad_boxes(kept_boxes, kept_classes, max_boxes)
-        return tf.ensure_shape(image, [size, size, 3]), kept_boxes, kept_classes
+    def examples(*_):
+        return tf.data.Dataset.from_tensor_slices({"jpeg": jpegs, "boxes": boxes, "classes": classes})
 
-    seed_tensor = tf.constant(seed, tf.int64)
+    def decode(item):
+        keep = item["classes"] >= 0  # the drawn scenes' padding rows
+        image = tf.image.convert_image_dtype(tf.io.decode_jpeg(item["jpeg"], channels=3), tf.float32)
+        return image, item["boxes"][keep], item["classes"][keep]
 
-    def example(position, item):  # the augmentation's draws are keyed by the stream position
-        return detection_data.augmentation_draws(tf.stack([seed_tensor, position])), decode(*item)
+    # A shuffle buffer of 1 keeps the drawn order (already shuffled when drawn): the JPEG
+    # pipeline's first batch is the drawn pipeline's first batch, decoded.
+    return Source(info, count, 1, examples, decode, shuffle_buffer=1)
 
-    def finish(draws, batched):
-        images, image_boxes, image_classes = batched
-        if augment:
-            images, image_boxes, image_classes = detection_data.augment_batch(
-                images, image_boxes, image_classes, draws
-            )
-        truth = {"boxes": image_boxes, "classes": image_classes, "box_valid": image_classes >= 0}
-        return images, truth
 
-    dataset = tf.data.Dataset.from_tensor_slices((jpegs, boxes, classes)).repeat().enumerate()
-    dataset = dataset.map(example, num_parallel_calls=tf.data.AUTOTUNE).batch(batch, drop_remainder=True)
-    dataset = dataset.map(finish, num_parallel_calls=tf.data.AUTOTUNE)
-    return stream.finish(dataset.prefetch(tf.data.AUTOTUNE))
+def _jpeg(scenes, size: int, batch: int, augment: bool) -> tf.data.Dataset:
+    """tfmp's training pipeline of a decoded source (`tfmp.detection.data.load_source`: decode,
+    fit to the square input and pad per example, batch, augment) over the JPEG scenes."""
+    return detection_data.load_source(_jpeg_source(scenes, size), "train", batch, augment=augment)[0]
 
 
 def _images_per_second(make, batch: int, batches: int) -> float:

@@ -242,7 +242,36 @@ def load(
     padded to the same number of full batches for every replica. With `input_context`,
     batches are per replica and each input pipeline reads its own shard.
     """
-    source_ = source(spec, split, image_size, data_dir, max_boxes)
+    return load_source(
+        source(spec, split, image_size, data_dir, max_boxes),
+        split,
+        global_batch_size,
+        anchors=anchors,
+        input_context=input_context,
+        training=training,
+        augment=augment,
+        cache=cache,
+        seed=seed,
+        skip_examples=skip_examples,
+    )
+
+
+def load_source(
+    source_: Source,
+    split: str,
+    global_batch_size: int,
+    *,
+    anchors=None,
+    input_context: tf.distribute.InputContext | None = None,
+    training: bool | None = None,
+    augment: bool = False,
+    cache: bool = False,
+    seed: int = 0,
+    skip_examples: int = 0,
+) -> tuple[tf.data.Dataset, str]:
+    """`load` of a `Source` already made (by `source`, or by hand: `tfmp.bench.input_cost`
+    reads in-memory JPEGs through it); the same pipeline, batches and shard policy."""
+    spec = source_.info.name
     training = split == "train" if training is None else training
     specs.check_counts(global_batch_size, skip_examples)
     if anchors is not None:
