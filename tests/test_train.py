@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import weakref
 
 import keras
 import numpy as np
@@ -13,6 +14,7 @@ import tensorflow as tf
 from tfmp import models, precision, pruning
 from tfmp.classification import data
 from tfmp.classification.task import TASK, compile_classifier
+from tfmp.distribute import strategies as distribute
 from tfmp.errors import TrainingDiverged, UsageError
 from tfmp.training import checkpoint
 from tfmp.training.config import TrainConfig
@@ -95,6 +97,25 @@ def test_resume_continues_at_the_saved_step(tmp_path):
     assert card["steps"].endswith("from step 3")
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl") if '"train"' in line]
     assert steps == [2, 3, 5, 6]  # nothing repeated, nothing skipped
+
+
+def test_the_input_iterator_is_destroyed_before_the_end_barrier(tmp_path, monkeypatch):
+    """Destroying a tf.data iterator can take seconds; a worker doing it after the end barrier
+    outlives its exited peers' heartbeats. So the run frees its iterator before the barrier."""
+    iterators, alive_at_barrier = [], []
+    inputs = TASK.inputs
+
+    def recording_inputs(*args, **kwargs):
+        data_for_epoch, evaluate, shard_policies = inputs(*args, **kwargs)
+        iterators.append(weakref.ref(data_for_epoch(0, 0)))
+        return data_for_epoch, evaluate, shard_policies
+
+    monkeypatch.setattr(TASK, "inputs", recording_inputs)
+    monkeypatch.setattr(
+        distribute, "barrier", lambda strategy: alive_at_barrier.append(iterators[0]() is not None)
+    )
+    train_and_evaluate(task=TASK, config=_config(tmp_path, steps=2, steps_per_epoch=2))
+    assert alive_at_barrier == [False]
 
 
 def test_nonfinite_float32_loss_stops_and_keeps_last_good_checkpoint(tmp_path):

@@ -252,11 +252,13 @@ def fit(
     )
     try:
         result = loop.run(start_step)
-        distribute.barrier(strategy)
+        del loop, data_for_epoch, evaluate
+        distribute.release_input_pipelines()
     finally:
         reporter.close()
         if checkpoints:
             checkpoints.close()
+    distribute.barrier(strategy)  # last: after it a worker only returns and exits
     return result.history
 
 

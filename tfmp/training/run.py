@@ -126,15 +126,18 @@ def train_and_evaluate(config: TrainConfig, task: Task, resolved_flags: str | No
             hooks=(pruner,) if pruner else (),
             scalars=(lambda: _sparsity_scalars(pruner)) if pruner else None,
         ).run(start_step)
+        del data_for_epoch, evaluate
+        distribute.release_input_pipelines()
         # A pruned model is saved stripped: a plain Keras model with its zeros, no masks.
         saved = pruning.strip(model) if pruner else model
         if plan.topology.is_chief:
             saved.save(os.path.join(model_dir, run_dir.MODEL_FILE))
-        distribute.barrier(plan.strategy)
+        summary = _summary(config, plan, saved, engine, result, model_dir, task, pruner)
     finally:
         reporter.close()
         checkpoints.close()
-    return _summary(config, plan, saved, engine, result, model_dir, task, pruner)
+    distribute.barrier(plan.strategy)  # last: after it a worker only returns and exits
+    return summary
 
 
 def build_optimizer(config: TrainConfig, plan: Plan) -> keras.optimizers.Optimizer:
