@@ -82,7 +82,7 @@ def run_python(args, cwd=None, timeout=600, env=None):
 @pytest.fixture(scope="session")
 def launched_workers(tmp_path_factory):
     """One `python -m tfmp.launch --workers=2` group running tests/mwms_worker.py, shared by the
-    multi-worker cells of test_matrix, test_detect_app and test_fit: every check in one start
+    multi-worker cells of test_matrix, test_detect_app, test_faster_rcnn and test_fit: every check in one start
     of TensorFlow in two worker processes. `records[kind][worker]` lists that worker's JSON
     lines of that kind; tests assert `returncode == 0` (showing `tail`) before reading them."""
     out = tmp_path_factory.mktemp("launched_workers")
@@ -109,7 +109,7 @@ def launched_workers(tmp_path_factory):
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (setup.cfg runs `-n auto --dist=loadgroup`), which tests must share a
-    pytest worker: the ones using the launched group (`launched_workers`, from three files), so
+    pytest worker: the ones using the launched group (`launched_workers`, from four files), so
     it starts once; and a file's tests that use a fixture defined in that file (module-scoped
     runs, exports, bench outputs), so it is built once. Every other test goes to whichever
     worker is free, which keeps both cores busy to the end. Without xdist the marks do nothing."""

@@ -1,7 +1,8 @@
-"""The detection cells of the shared multi-worker group (tests/mwms_worker.py) for
-tests/test_detect_app.py: the tiny RetinaNet, every precision with XLA off and on, 2 steps each
-through the engine; prints one JSON line per cell with the loss, finiteness and a digest of
-every model and optimizer variable for the test to compare across workers.
+"""The detection cells of the shared multi-worker group (tests/mwms_worker.py): the tiny
+RetinaNet (tests/test_detect_app.py, 2 steps) and the tiny Faster R-CNN (tests/test_faster_rcnn.py,
+1 step: its XLA cells compile the most), every precision with XLA off and on, through the engine;
+prints one JSON line per cell with the loss, finiteness and a digest of every model and optimizer
+variable for the tests to compare across workers.
 
     python -m tfmp.launch --workers=2 -- python tests/mwms_detect_worker.py   (these cells alone)
 """
@@ -22,13 +23,17 @@ from tfmp import precision  # noqa: E402
 from tfmp.detection import (  # noqa: E402
     boxes,
     data,
-    retinanet,  # noqa: E402
+    faster_rcnn,
+    rcnn_losses,
+    rcnn_task,
+    retinanet,
 )
 from tfmp.detection.task import compile_detector  # noqa: E402
-from tfmp.distribute import strategies as distribute
+from tfmp.distribute import strategies as distribute  # noqa: E402
 from tfmp.training.engine import Engine  # noqa: E402
 
-SIZE, GLOBAL_BATCH, STEPS = 64, 4, 2
+SIZE, GLOBAL_BATCH, CLASSES = 64, 4, 6
+RETINANET_STEPS, FASTER_RCNN_STEPS = 2, 1
 
 
 def main():
@@ -36,41 +41,71 @@ def main():
 
 
 def detection_cells(strategy):
+    """RetinaNet's cells (kind "detect"), then Faster R-CNN's (kind "faster_rcnn")."""
     anchors = boxes.generate_anchors(SIZE, retinanet.anchor_config("retinanet_tiny"))
-    train = strategy.distribute_datasets_from_function(
+    retinanet_batches = strategy.distribute_datasets_from_function(
         lambda context: data.load(
             "shapes", "train", GLOBAL_BATCH, anchors=anchors, image_size=SIZE, input_context=context
         )[0]
     )
-    for policy in precision.POLICIES:
-        for xla in (False, True):
-            started = time.process_time()
-            keras.utils.set_random_seed(0)
-            with strategy.scope():
-                model = retinanet.build_detector("retinanet_tiny", SIZE, 6, dtype=policy)
-                optimizer = precision.wrap_optimizer(
-                    keras.optimizers.SGD(0.01, momentum=0.9), policy, initial_scale=1024.0
-                )
-            compile_detector(model, optimizer, strategy, int(anchors.shape[0]))
-            result = Engine(strategy, model, optimizer, xla=xla).train(iter(train), STEPS)
-            weights = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
-            print(
-                json.dumps(
-                    {
-                        "kind": "detect",
-                        "policy": policy,
-                        "xla": xla,
-                        "replicas": strategy.num_replicas_in_sync,
-                        "loss": result.metrics["loss"],
-                        "nonfinite": result.nonfinite_steps,
-                        "float32": all(w.dtype == "float32" for w in model.trainable_weights),
-                        "finite": bool(np.isfinite(weights).all()),
-                        "checksum": _variables_digest(model, optimizer),
-                        "cpu_seconds": round(time.process_time() - started, 1),  # for speed work
-                    }
-                ),
-                flush=True,
-            )
+
+    def build_retinanet(policy, optimizer):
+        model = retinanet.build_detector("retinanet_tiny", SIZE, CLASSES, dtype=policy)
+        compile_detector(model, optimizer, strategy, int(anchors.shape[0]))
+        return model
+
+    rcnn_batches = strategy.distribute_datasets_from_function(
+        lambda context: rcnn_task.model_elements(
+            data.load("shapes", "train", GLOBAL_BATCH, image_size=SIZE, input_context=context, augment=True)[
+                0
+            ]
+        )
+    )
+
+    def build_faster_rcnn(policy, optimizer):
+        model = faster_rcnn.build_detector("faster_rcnn_tiny", SIZE, CLASSES, dtype=policy)
+        model.compile(optimizer=optimizer, loss=rcnn_losses.FasterRCNNLoss("focal"))
+        return model
+
+    for kind, build, batches, steps in (
+        ("detect", build_retinanet, retinanet_batches, RETINANET_STEPS),
+        ("faster_rcnn", build_faster_rcnn, rcnn_batches, FASTER_RCNN_STEPS),
+    ):
+        for policy in precision.POLICIES:
+            for xla in (False, True):
+                _cell(strategy, kind, build, batches, steps, policy, xla)
+
+
+def _cell(strategy, kind, build, batches, steps, policy, xla):
+    """Trains one model `steps` steps from seed 0 and prints the cell's JSON line."""
+    started = time.process_time()
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        optimizer = precision.wrap_optimizer(
+            keras.optimizers.SGD(0.01, momentum=0.9), policy, initial_scale=1024.0
+        )
+        model = build(policy, optimizer)
+    engine = Engine(strategy, model, optimizer, xla=xla)
+    result = engine.train(iter(batches), steps)
+    weights = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
+    print(
+        json.dumps(
+            {
+                "kind": kind,
+                "policy": policy,
+                "xla": xla,
+                "xla_parts": engine.xla_parts,
+                "replicas": strategy.num_replicas_in_sync,
+                "loss": result.metrics["loss"],
+                "nonfinite": result.nonfinite_steps,
+                "float32": all(w.dtype == "float32" for w in model.trainable_weights),
+                "finite": bool(np.isfinite(weights).all()),
+                "checksum": _variables_digest(model, optimizer),
+                "cpu_seconds": round(time.process_time() - started, 1),  # for speed work
+            }
+        ),
+        flush=True,
+    )
 
 
 def _variables_digest(model, optimizer):

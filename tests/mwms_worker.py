@@ -8,7 +8,8 @@ Prints one JSON line per check, each with a "kind", for the tests to compare acr
   precision, with and without XLA, through the same Engine the apps use: loss, eval over the
   whole split against this worker's own count, and a digest of every model and optimizer variable;
 - "overflow": one float16 step with inf images on worker 1 only, which both must skip;
-- "detect" (tests/test_detect_app.py): the tiny RetinaNet in every precision x XLA cell;
+- "detect" and "faster_rcnn" (tests/test_detect_app.py, tests/test_faster_rcnn.py): the tiny
+  RetinaNet and Faster R-CNN in every precision x XLA cell;
 - "fit" (tests/test_fit.py): a user's tfmp.fit script (tests/fit_worker.py) on this strategy.
 The strategy comes from `get_strategy("auto")`, as a user's script gets it under the launcher.
 """
