@@ -181,10 +181,24 @@ def test_derive_on_hand_made_cells():
     assert ratios["speedup_vs_float32"][0]["value"] == pytest.approx(1.5)
     assert ratios["engine_vs_keras_fit"][0]["value"] == pytest.approx(1.25)
     assert ratios["input_vs_synthetic"][0]["value"] == pytest.approx(0.8)
+    assert ratios["input_vs_synthetic"][0]["paired"] is False  # two cells, two processes
     assert ratios["flops_fraction_of_peak"][0]["value"] == pytest.approx(0.25)
     assert ratios["peak_memory_vs_float32"][0]["value"] == pytest.approx(0.8)
     assert ratios["training_memory_vs_float32"][0]["value"] == pytest.approx(200 / 400)
     assert set(ratios) == set(schema.RATIOS)
+
+
+def test_a_paired_reference_cell_gives_the_input_ratio_it_timed_in_turn():
+    """A detector's reference cell times the real pipeline in turn with the synthetic one
+    (`paired_input`); its ratio, not the one across two processes, is the row's value."""
+    main = dict(kind="engine", model="d", precision="float32", xla=False, mode="train", data="builtin")
+    main.update(replicas=1, workers=0, global_batch_size=16, result=_engine_result(70.0))
+    paired = {"real_examples_per_sec": 95.0, "ratios": [0.93, 0.95, 0.97], "value": 0.95}
+    reference = dict(
+        main, data="synthetic", reference="input", result=dict(_engine_result(100.0), paired_input=paired)
+    )
+    (row,) = bench_report.derive([main, reference])["input_vs_synthetic"]
+    assert row["value"] == 0.95 and row["paired"] is True
 
 
 def test_schema_check_names_the_missing_or_mistyped_field():

@@ -227,11 +227,18 @@ def tiny_cells():
 
 
 @pytest.mark.slow  # a process of its own
-def test_detector_cell_gives_images_per_second_with_every_schema_field(tiny_cells):
-    result = bench_runner.measure(tiny_cells["detector"], timeout=600)
+def test_detector_reference_cell_times_both_inputs_in_turn_with_every_schema_field(tiny_cells):
+    """The synthetic-input reference of a detector (the main cells are the same code without
+    `paired_input`): images/s of the synthetic input, and the real pipeline's, timed in turn."""
+    cell = dict(tiny_cells["detector"], reference="input", repeats=2)
+    result = bench_runner.measure(cell, timeout=600)
     assert set(result) == set(schema.ENGINE_RESULT)
     assert result["examples_per_sec"] > 0 and result["image_shape"] == [64, 64, 3]
     assert result["policy"] == "mixed_bfloat16" and result["peak_memory_mb"] > 0
+    paired = result["paired_input"]
+    assert set(paired) == set(schema.PAIRED_INPUT) and len(paired["ratios"]) == 2
+    assert paired["real_examples_per_sec"] > 0 and all(ratio > 0 for ratio in paired["ratios"])
+    assert min(paired["ratios"]) <= paired["value"] <= max(paired["ratios"])
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ The result is printed as one line: `BENCH_RESULT {json}`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -116,7 +117,7 @@ def _shapes_dataset_fn(cell: dict, to_elements):
     """dataset_fn(input_context) of the built-in detection `shapes` at the cell's image size and
     batch, its (image, truth) batches mapped by `to_elements` into the model's elements."""
 
-    def dataset_fn(context):
+    def dataset_fn(context, synthetic=cell["data"] == "synthetic"):
         dataset = detection_data.load(
             "shapes",
             "train",
@@ -127,7 +128,7 @@ def _shapes_dataset_fn(cell: dict, to_elements):
         dataset = to_elements(dataset)
         # Synthetic reference: one real batch (drawn once) repeated, so the input pipeline's
         # cost drops out and the step (anchors matched in it) is the same work.
-        return dataset.take(1).cache().repeat() if cell["data"] == "synthetic" else dataset
+        return dataset.take(1).cache().repeat() if synthetic else dataset
 
     return dataset_fn
 
@@ -173,8 +174,9 @@ def _setup(name: str):
     return _retinanet_setup if name in retinanet.DETECTORS else _classifier_setup
 
 
-def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
-    engine = Engine(strategy, model, optimizer, xla=cell["xla"])
+def _engine_executions(cell, strategy, engine, dataset_fn):
+    """executions(count): runs `count` engine calls on one iterator of `dataset_fn`'s batches
+    and returns the seconds of each."""
     threads = cell.get("data_threads", 0)
     dataset = strategy.distribute_datasets_from_function(
         lambda context: data.with_threads(dataset_fn(context), threads)
@@ -190,7 +192,39 @@ def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
             times.append(time.perf_counter() - started)
         return times
 
-    return timer(executions)
+    return executions
+
+
+def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
+    engine = Engine(strategy, model, optimizer, xla=cell["xla"])
+    return timer(_engine_executions(cell, strategy, engine, dataset_fn))
+
+
+def is_paired(cell: dict) -> bool:
+    """A detector's synthetic-input reference cell also times the real pipeline, in turn."""
+    return cell.get("reference") == "input" and is_detector(cell["model"])
+
+
+def _time_paired(cell, strategy, model, optimizer, dataset_fn):
+    """(synthetic repeats, real-pipeline repeats) of one engine, timed in turn in this process.
+
+    Separate cell processes minutes apart differ by up to 15% on a shared 2-core VM; repeats
+    of one compiled step taken in turn see the same machine, so their ratio keeps only the
+    input pipeline's cost. Each repeat starts after one untimed call, so the batches a
+    pipeline prefetched while the other one ran are not counted as free.
+    """
+    engine = Engine(strategy, model, optimizer, xla=cell["xla"])
+    synthetic = _engine_executions(cell, strategy, engine, dataset_fn)
+    real = _engine_executions(cell, strategy, engine, functools.partial(dataset_fn, synthetic=False))
+    warmup = synthetic(cell["warmup_executions"])
+    real(cell["warmup_executions"])
+    count = _executions_per_repeat(cell, warmup[-1])
+    timed = {synthetic: [], real: []}
+    for index in range(cell["repeats"]):
+        for executions in (synthetic, real) if index % 2 == 0 else (real, synthetic):
+            executions(1)
+            timed[executions].append(executions(count))
+    return timed[synthetic], timed[real]
 
 
 def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
@@ -291,8 +325,13 @@ def _measure_training(cell: dict) -> dict:
     policy = precision.resolve(cell["precision"]).policy
     before_model = _peak_host_memory_mb()  # TensorFlow's runtime and Python, no model yet
     model, optimizer, dataset_fn, image_shape = _setup(cell["model"])(cell, strategy, policy)
-    timing = _time_fit if cell["kind"] == "fit" else _time_engine
-    repeats = timing(cell, strategy, model, optimizer, dataset_fn, _timer(cell))
+    paired_input = None
+    if is_paired(cell):
+        repeats, real_repeats = _time_paired(cell, strategy, model, optimizer, dataset_fn)
+        paired_input = _paired_input(cell, repeats, real_repeats)
+    else:
+        timing = _time_fit if cell["kind"] == "fit" else _time_engine
+        repeats = timing(cell, strategy, model, optimizer, dataset_fn, _timer(cell))
     result = {
         "policy": policy,
         "dataset": _dataset_spec(cell),
@@ -303,17 +342,34 @@ def _measure_training(cell: dict) -> dict:
         **_memory(before_model),
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
         "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
+        "paired_input": paired_input,
     }
     result["examples_per_sec_per_replica"] = result["examples_per_sec"] / result["replicas"]
     return result
 
 
+def _throughputs(cell: dict, repeats: list[list[float]]) -> list[float]:
+    return [
+        cell["global_batch_size"] * cell["steps_per_execution"] * len(times) / sum(times) for times in repeats
+    ]
+
+
+def _paired_input(cell: dict, synthetic_repeats, real_repeats) -> dict:
+    """The real pipeline's throughput and its ratio to the synthetic one, repeat by repeat."""
+    real = _throughputs(cell, real_repeats)
+    ratios = [r / s for r, s in zip(real, _throughputs(cell, synthetic_repeats))]
+    return {
+        "real_examples_per_sec": statistics.median(real),
+        "ratios": ratios,
+        "value": statistics.median(ratios),
+    }
+
+
 def _speed(cell: dict, model, repeats: list[list[float]]) -> dict:
     """Throughput (median and spread of the repeats), step times and FLOP/s."""
     steps = cell["steps_per_execution"]
-    batch = cell["global_batch_size"]
     step_times = sorted(t / steps for times in repeats for t in times)
-    throughputs = [batch * steps * len(times) / sum(times) for times in repeats]
+    throughputs = _throughputs(cell, repeats)
     flops_per_step = _flops_per_step(cell, model)
     median_step = statistics.median(step_times)
     return {

@@ -91,7 +91,11 @@ def environment(timeout: float = 600) -> matrix.Environment:
 def _headline(result: dict) -> str:
     """The one figure a progress line shows for a cell's result."""
     if "examples_per_sec" in result:
-        return f"{result['examples_per_sec']:,.1f} examples/s"
+        headline = f"{result['examples_per_sec']:,.1f} examples/s"
+        paired = result.get("paired_input")  # a detector's reference cell: the real input in turn
+        if paired:
+            headline += f", real input {paired['real_examples_per_sec']:,.1f} ({paired['value']:.3f})"
+        return headline
     if "peak_flops" in result:
         return f"{result['peak_flops'] / 1e9:,.1f} GFLOP/s"
     if "classes" in result:  # a layer profile

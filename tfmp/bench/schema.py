@@ -72,7 +72,10 @@ ENGINE_RESULT = {
     "peak_gpu_memory_mb": "list",
     "intra_op_threads": "integer",
     "inter_op_threads": "integer",
+    "paired_input": "object?",
 }
+# `paired_input` of a detector's synthetic-input reference cell (null in every other cell).
+PAIRED_INPUT = {"real_examples_per_sec": "number", "ratios": "list", "value": "number"}
 PEAK_RESULT = {
     "peak_flops": "number",
     "matmul_size": "integer",
@@ -99,7 +102,7 @@ RATIOS = {
     "peak_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
     "training_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
     "engine_vs_keras_fit": _REFERENCE_LABEL,
-    "input_vs_synthetic": _REFERENCE_LABEL,
+    "input_vs_synthetic": dict(_REFERENCE_LABEL, paired="boolean"),
     "pipeline": {
         "model": "string",
         "stages": "integer",
@@ -164,6 +167,10 @@ def check(report: dict) -> None:
         if cell["kind"] in ("engine", "fit"):
             _fields(where, cell, ENGINE_CELL)
             _fields(f"{where}.result", cell["result"], ENGINE_RESULT, exact=True)
+            if cell["result"]["paired_input"] is not None:
+                _fields(
+                    f"{where}.result.paired_input", cell["result"]["paired_input"], PAIRED_INPUT, exact=True
+                )
         elif cell["kind"] == "peak":
             _fields(f"{where}.result", cell["result"], PEAK_RESULT, exact=True)
             for size in cell["result"]["sizes"]:
