@@ -4,6 +4,7 @@ The split must happen before TensorFlow initialises, i.e. before any test touche
 """
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -118,6 +119,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("launched_workers"))
         elif any(hasattr(item.module, name) for name in item.fixturenames):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+def identical_detection_cells(launched_workers, kind: str, policies) -> dict:
+    """The launched group's detection cells of `kind` (tests/mwms_detect_worker.py) as
+    {(policy, xla): {worker: record}}, after checking what every cell must show: one record per
+    worker for every policy x XLA off/on, 2 replicas, finite float32 weights and loss, no
+    skipped step, and every model and optimizer variable identical on both workers."""
+    assert launched_workers.returncode == 0, launched_workers.tail
+    by_worker = launched_workers.records[kind]
+    assert set(by_worker) == {0, 1}
+    cells = {}
+    for worker, records in by_worker.items():
+        for record in records:
+            cells.setdefault((record["policy"], record["xla"]), {})[worker] = record
+    assert set(cells) == {(policy, xla) for policy in policies for xla in (False, True)}
+    for (policy, xla), workers in cells.items():
+        assert set(workers) == {0, 1}, (policy, xla)
+        for record in workers.values():
+            assert record["replicas"] == 2 and record["finite"] and record["float32"], record
+            assert math.isfinite(record["loss"]) and record["nonfinite"] == 0, record
+        assert workers[0]["checksum"] == workers[1]["checksum"], (policy, xla)
+    return cells
 
 
 def peer_errors_once_formed(launcher_output, markers, workers=2):

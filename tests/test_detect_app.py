@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import rounding
 import tensorflow as tf
-from conftest import finish, run_python, start_python
+from conftest import finish, identical_detection_cells, run_python, start_python
 from PIL import Image
 
 from tfmp import precision
@@ -168,22 +168,9 @@ def test_bad_input_is_one_line_exit_2(bad_input_runs, case):
 
 @pytest.mark.slow
 def test_multi_worker_cells_train_every_precision_and_xla_identically(launched_workers):
-    """2 workers (conftest's shared launched group) x every precision x XLA off/on."""
-    assert launched_workers.returncode == 0, launched_workers.tail
-    by_worker = launched_workers.records["detect"]
-    assert set(by_worker) == {0, 1}
-    cells = {}
-    for worker, records in by_worker.items():
-        for record in records:
-            cells.setdefault((record["policy"], record["xla"]), {})[worker] = record
-    assert len(cells) == 2 * len(precision.POLICIES)
-    for (policy, xla), workers in cells.items():
-        assert set(workers) == {0, 1}, (policy, xla)
-        for record in workers.values():
-            assert record["replicas"] == 2 and record["finite"] and record["float32"], record
-            assert np.isfinite(record["loss"]) and record["nonfinite"] == 0, record
-        # Every model and optimizer variable identical on both workers.
-        assert workers[0]["checksum"] == workers[1]["checksum"], (policy, xla)
+    """2 workers (conftest's shared launched group) x every precision x XLA off/on: finite,
+    float32 weights, no skipped step, every variable identical on both workers."""
+    identical_detection_cells(launched_workers, "detect", precision.POLICIES)
 
 
 # apps.detect under `tfmp.launch --workers=2` (identical weights, every eval image counted once)
