@@ -1,14 +1,19 @@
-"""Object detection for tfmp: RetinaNet's anchors, data, losses, COCO metrics and drawings.
+"""Object detection for tfmp: RetinaNet and Faster R-CNN, their data, losses, COCO metrics and drawings.
 
-Modules (the model builders are in `tfmp.detection.retinanet`):
+Modules (the model builders are `tfmp.detection.retinanet` and `tfmp.detection.faster_rcnn`):
 
-* `boxes`       anchors, IoU, delta encoding, anchor matching, decoding + NMS (float32)
-* `shapes`      the built-in drawn scenes (several coloured shapes per image)
-* `data`        dataset specs (`shapes`, `coco:PATH`, `tfds:voc/2007`, `tfds:coco/2017`),
-                augmentation, matched and batched pipelines; `sources` reads COCO JSON and TFDS
-* `losses`      focal and Huber losses over the global positive-anchor count
-* `evaluation`  COCO mAP with pycocotools
-* `visualize`   boxes, class names and scores drawn into PNG files
+* `boxes`        anchors, IoU, delta encoding, the per-example anchor matcher, decoding + NMS (float32)
+* `targets`      anchor matching on the device, batched over the replica's images (RetinaNet, the RPN)
+* `proposals`    Faster R-CNN's RPN targets, proposals (decode + per-image NMS), ROI sampling (float32)
+* `roi_align`    ROIAlign over the FPN levels (`tf.image.crop_and_resize`, float32)
+* `shapes`       the built-in drawn scenes (several coloured shapes per image)
+* `data`         dataset specs (`shapes`, `coco:PATH`, `tfds:voc/2007`, `tfds:coco/2017`),
+                 augmentation, padded batches; `sources` reads COCO JSON and TFDS
+* `losses`       RetinaNet's focal and Huber losses over the global positive-anchor count
+* `rcnn_losses`  Faster R-CNN's RPN and second-stage losses, every normaliser global
+* `task`, `rcnn_task`  each detector as a tfmp task (what `apps.detect` trains)
+* `evaluation`   COCO mAP with pycocotools
+* `predict`, `visualize`  detections for image files, drawn into PNG files
 
 A whole training run with plain Keras (what `apps.detect` does with its engine)::
 
