@@ -34,6 +34,7 @@ from tfmp.training.engine import Engine  # noqa: E402
 
 SIZE, GLOBAL_BATCH, CLASSES = 64, 4, 6
 RETINANET_STEPS, FASTER_RCNN_STEPS = 2, 1
+HEAD_DEPTH = 1  # as tests/test_detect_app.py: one conv + GroupNorm per subnet compiles faster
 
 
 def main():
@@ -50,7 +51,7 @@ def detection_cells(strategy):
     )
 
     def build_retinanet(policy, optimizer):
-        model = retinanet.build_detector("retinanet_tiny", SIZE, CLASSES, dtype=policy)
+        model = retinanet.build_detector("retinanet_tiny", SIZE, CLASSES, dtype=policy, head_depth=HEAD_DEPTH)
         compile_detector(model, optimizer, strategy, int(anchors.shape[0]))
         return model
 

@@ -95,8 +95,8 @@ def test_multi_worker_cells_train_and_replicas_end_identical(launched_workers):
         # replica are the split's size (exact: one missing or doubled example moves the mean loss
         # by only ~7e-6 relative, measured, so the loss comparison below cannot show it), and
         # the distributed loss is the one a single worker computes over the whole split; accuracy
-        # may differ only on the near ties of this barely trained model (the local pass runs
-        # eagerly, the distributed one in a tf.function or with XLA: tests/rounding.py).
+        # may differ only on the near ties of this barely trained model (the local pass calls the
+        # model alone, the distributed one runs the engine's step or XLA: tests/rounding.py).
         assert mine["eval_examples"] == theirs["eval_examples"] == data.DIGITS_EVAL_EXAMPLES
         local_loss, local_accuracy, ties = mine["local_eval"]
         assert mine["eval_loss"] == pytest.approx(local_loss, rel=2e-5)

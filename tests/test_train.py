@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import weakref
 
 import keras
@@ -89,14 +90,28 @@ def _accuracy(model, batch, policy):
     return correct / total, ties
 
 
-def test_resume_continues_at_the_saved_step(tmp_path):
-    train_and_evaluate(task=TASK, config=_config(tmp_path, steps=3))
-    summary = train_and_evaluate(task=TASK, config=_config(tmp_path, steps=6))
-    assert summary["steps"] == 6
-    card = json.load(open(tmp_path / "run_card.json"))
-    assert card["steps"].endswith("from step 3")
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl") if '"train"' in line]
-    assert steps == [2, 3, 5, 6]  # nothing repeated, nothing skipped
+@pytest.fixture(scope="module")
+def six_step_run(tmp_path_factory):
+    """One finished 6-step run (checkpoints ckpt-3 and ckpt-6), which each resume test copies."""
+    run_dir = tmp_path_factory.mktemp("six_steps")
+    train_and_evaluate(task=TASK, config=_config(run_dir, steps=6))
+    return run_dir
+
+
+def _copy_of(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+def test_resume_continues_at_the_saved_step(six_step_run, tmp_path):
+    run_dir = _copy_of(six_step_run, tmp_path)
+    summary = train_and_evaluate(task=TASK, config=_config(run_dir, steps=9))
+    assert summary["steps"] == 9
+    card = json.load(open(run_dir / "run_card.json"))
+    assert card["steps"].endswith("from step 6")
+    steps = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl") if '"train"' in line]
+    assert steps == [2, 3, 5, 6, 8, 9]  # nothing repeated, nothing skipped
 
 
 def test_the_input_iterator_is_destroyed_before_the_end_barrier(tmp_path, monkeypatch):
@@ -131,34 +146,34 @@ def test_nonfinite_float32_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("damaged", [".index", ".data-00000-of-00001"])
-def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, damaged, caplog):
-    train_and_evaluate(task=TASK, config=_config(tmp_path, steps=6))  # keeps ckpt-3 and ckpt-6
-    newest = tmp_path / checkpoint.SUBDIR / f"ckpt-6{damaged}"
+def test_damaged_newest_checkpoint_falls_back_to_the_older_one(six_step_run, tmp_path, damaged, caplog):
+    run_dir = _copy_of(six_step_run, tmp_path)  # keeps ckpt-3 and ckpt-6
+    newest = run_dir / checkpoint.SUBDIR / f"ckpt-6{damaged}"
     newest.write_bytes(newest.read_bytes()[: len(newest.read_bytes()) // 2])  # truncated
-    summary = train_and_evaluate(task=TASK, config=_config(tmp_path, steps=9))
+    summary = train_and_evaluate(task=TASK, config=_config(run_dir, steps=9))
     assert summary["steps"] == 9
-    card = json.load(open(tmp_path / "run_card.json"))
+    card = json.load(open(run_dir / "run_card.json"))
     assert card["steps"].endswith("from step 3")  # ckpt-6 was skipped, ckpt-3 restored
     assert "skipped checkpoint" in caplog.text and "ckpt-6" in caplog.text
 
 
-def test_no_readable_checkpoint_is_a_usage_error(tmp_path):
-    train_and_evaluate(task=TASK, config=_config(tmp_path, steps=6))
-    for name in os.listdir(tmp_path / checkpoint.SUBDIR):
+def test_no_readable_checkpoint_is_a_usage_error(six_step_run, tmp_path):
+    run_dir = _copy_of(six_step_run, tmp_path)
+    for name in os.listdir(run_dir / checkpoint.SUBDIR):
         if name.endswith(".index"):
-            (tmp_path / checkpoint.SUBDIR / name).write_bytes(b"garbage")
+            (run_dir / checkpoint.SUBDIR / name).write_bytes(b"garbage")
     with pytest.raises(
         UsageError, match="no checkpoint in .* can be restored.*ckpt-6.*ckpt-3.*fresh --model_dir"
     ):
-        train_and_evaluate(task=TASK, config=_config(tmp_path, steps=9))
+        train_and_evaluate(task=TASK, config=_config(run_dir, steps=9))
 
 
-def test_resume_with_another_global_batch_is_refused_naming_both(tmp_path):
-    train_and_evaluate(task=TASK, config=_config(tmp_path, steps=3))
+def test_resume_with_another_global_batch_is_refused_naming_both(six_step_run, tmp_path):
+    run_dir = _copy_of(six_step_run, tmp_path)
     with pytest.raises(
         UsageError, match="trained with global batch 32, this run uses 16.*--global_batch_size=32"
     ):
-        train_and_evaluate(task=TASK, config=_config(tmp_path, steps=6, global_batch_size=16))
+        train_and_evaluate(task=TASK, config=_config(run_dir, steps=9, global_batch_size=16))
 
 
 @pytest.mark.parametrize(
@@ -166,7 +181,7 @@ def test_resume_with_another_global_batch_is_refused_naming_both(tmp_path):
     [
         ({"model": "resnet9"}, "unknown model 'resnet9'; choose one of: lenet"),
         ({"dataset": "imagenette"}, "unknown dataset 'imagenette'"),
-        ({"precision": "fp8"}, "unknown precision 'fp8'"),
+        ({"precision": "fp8"}, "unknown precision 'fp8'; choose one of:"),
         ({"strategy": "horovod"}, "unknown strategy 'horovod'"),
         ({"optimizer": "lamb"}, "unknown optimizer 'lamb'"),
         ({"xla": "maybe"}, "unknown --xla value 'maybe'"),
