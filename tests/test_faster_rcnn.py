@@ -315,6 +315,7 @@ def test_app_trains_faster_rcnn_mixed_then_predicts_float32_boxes_drawn_to_png(t
         settings = {"score_threshold": score_threshold, "output_dir": str(tmp_path / kind / model.name)}
         (drawn,) = predictors.KINDS[kind].predict_files(str(model), [str(picture)], settings)
         assert kind == "two_stage_detector" and Image.open(drawn["png"]).size == (100, 80)  # the original's
+    # `drawn` is now the run's record, which has the predict mode's dtypes.
     assert drawn["boxes_dtype"] == "float32" and drawn["scores_dtype"] == "float32"
     # 4 steps teach the background class first: few or no scores reach the model's 0.05 yet.
     for found in drawn["detections"]:
