@@ -216,13 +216,12 @@ class Engine:
         # localhost, measured); read in one traced call, they go out together.
         return self.model.get_metrics_result(), self._status.read_value()
 
-    def _results(self) -> dict:
-        return {name: float(value) for name, value in self._read_fn()[0].items()}
-
-    def _read_results_and_status(self) -> tuple[dict, np.ndarray]:
+    def _read(self) -> tuple[dict, np.ndarray]:
         metrics, status = self._read_fn()
-        self._status.assign(tf.zeros([_SLOTS], tf.float32))
         return {name: float(value) for name, value in metrics.items()}, status.numpy()
+
+    def _results(self) -> dict:
+        return self._read()[0]
 
     def reset_metrics(self) -> None:
         """Starts a new averaging window (an epoch) for the model's metrics."""
@@ -237,7 +236,8 @@ class Engine:
         self._train_fn(
             iterator, tf.constant(num_steps, tf.int64), tf.constant(float(stop_requested), tf.float32)
         )
-        metrics, (nonfinite, stops) = self._read_results_and_status()
+        metrics, (nonfinite, stops) = self._read()
+        self._status.assign(tf.zeros([_SLOTS], tf.float32))
         return StepResult(metrics, float(nonfinite), float(stops))
 
     def infer(self, iterator, num_steps: int) -> dict:
