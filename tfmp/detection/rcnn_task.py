@@ -23,9 +23,8 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from tfmp.detection import boxes, data, evaluation, faster_rcnn, proposals, rcnn_losses
+from tfmp.detection import boxes, faster_rcnn, proposals, rcnn_losses
 from tfmp.detection.task import DetectionTask
-from tfmp.input import stream
 from tfmp.training import fitting
 
 
@@ -81,59 +80,12 @@ class FasterRCNNTask(DetectionTask):
         fitting.build_for_data(model, plan.strategy, spec)
         return model
 
-    def train_dataset(self, config, plan, input_context=None, skip_examples: int = 0):
-        """(endless stream of `(model inputs,)` with the padded ground truth, shard policy)."""
-        dataset, policy = data.load(
-            config.data.dataset,
-            "train",
-            config.data.global_batch_size,
-            image_size=plan.info.image_size,
-            data_dir=config.data.data_dir,
-            input_context=input_context,
-            augment=config.data.augment,
-            cache=config.data.cache,
-            seed=config.seed,
-            skip_examples=skip_examples,
-        )
-        return model_elements(dataset), policy
+    def elements(self, dataset: tf.data.Dataset, training: bool) -> tf.data.Dataset:
+        return model_elements(dataset, with_truth=not training)
 
-    def inputs(self, config, plan, engine, start_step: int):
-        strategy, info = plan.strategy, plan.info
-        shard_policies = []
-
-        def train_input(input_context):
-            skip = start_step * config.data.global_batch_size // input_context.num_input_pipelines
-            dataset, policy = self.train_dataset(config, plan, input_context, skip)
-            shard_policies.append(policy)
-            return stream.with_threads(dataset, config.data.data_threads)
-
-        def eval_input(input_context):
-            dataset = data.load(
-                config.data.dataset,
-                "eval",
-                config.data.global_batch_size,
-                image_size=info.image_size,
-                data_dir=config.data.data_dir,
-                input_context=input_context,
-                cache=config.data.cache,
-            )[0]
-            return model_elements(dataset, with_truth=True)
-
-        train_iterator = iter(strategy.distribute_datasets_from_function(train_input))
-        eval_dataset = strategy.distribute_datasets_from_function(eval_input) if config.evaluate else None
-
-        def evaluate():
-            outputs, (_, truth) = engine.predict(eval_dataset)
-            evaluator = evaluation.CocoEvaluator(max_detections=config.detection.max_detections)
-            detections = {key: outputs[key] for key in ("boxes", "scores", "classes", "valid_detections")}
-            evaluator.update(truth, detections)
-            return {**evaluator.result(), "images": float(evaluator.num_images)}
-
-        return (
-            (lambda epoch, steps_done: train_iterator),
-            (evaluate if eval_dataset else None),
-            shard_policies,
-        )
+    def detections(self, outputs: dict, config, plan) -> dict:
+        """The model's own float32 detections (per-class NMS inside the model)."""
+        return {key: outputs[key] for key in ("boxes", "scores", "classes", "valid_detections")}
 
     def card(self, config, plan, model) -> dict:
         info = plan.info

@@ -17,8 +17,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp.classification import data as classification_data
 from tfmp.detection import boxes, data, evaluation, losses, retinanet, targets
+from tfmp.input import stream
 from tfmp.training import fitting
 
 DECODE_BATCH = 64  # eval rows decoded per NMS call
@@ -93,46 +93,65 @@ class DetectionTask:
             model, optimizer, plan.strategy, matcher=matcher, max_boxes=plan.info.max_boxes
         )
 
-    def train_dataset(self, config, plan, input_context=None, skip_examples: int = 0):
-        """(endless stream of (images, padded ground truth as the losses take it), shard policy);
-        global batches without `input_context`, per-replica batches of this pipeline's shard with
-        one. Anchors are matched in the step (the losses' AnchorMatcher), not here."""
-        dataset, policy = data.load(
+    def load(self, config, plan, split: str, input_context=None, **training_options):
+        """`data.load` of `split` as the run's flags ask: ((images, padded truth) batches, shard
+        policy); `training_options` (augment, seed, skip_examples) for the training stream."""
+        return data.load(
             config.data.dataset,
-            "train",
+            split,
             config.data.global_batch_size,
             image_size=plan.info.image_size,
             data_dir=config.data.data_dir,
             input_context=input_context,
-            augment=config.data.augment,
             cache=config.data.cache,
+            **training_options,
+        )
+
+    def elements(self, dataset: tf.data.Dataset, training: bool) -> tf.data.Dataset:
+        """`load`'s (images, truth) batches as the engine's elements: (images, labels the losses
+        take) to train on, (images, truth) to evaluate (the truth travels to the evaluator)."""
+        if training:
+            return dataset.map(lambda image, truth: (image, losses.ground_truth_labels(truth)))
+        return dataset
+
+    def detections(self, outputs: dict, config, plan) -> dict:
+        """Float32 detections (boxes, scores, classes, valid_detections) of gathered outputs."""
+        return decode(
+            outputs,
+            self.anchors(config, plan),
+            plan.info.image_size,
+            config.detection.score_threshold,
+            config.detection.max_detections,
+        )
+
+    def train_dataset(self, config, plan, input_context=None, skip_examples: int = 0):
+        """(endless stream of the engine's training elements, shard policy); global batches
+        without `input_context`, per-replica batches of this pipeline's shard with one. Anchors
+        (and Faster R-CNN's ROIs) are matched in the step, not here."""
+        dataset, policy = self.load(
+            config,
+            plan,
+            "train",
+            input_context,
+            augment=config.data.augment,
             seed=config.seed,
             skip_examples=skip_examples,
         )
-        return dataset.map(lambda image, truth: (image, losses.ground_truth_labels(truth))), policy
+        return self.elements(dataset, training=True), policy
 
     def inputs(self, config, plan, engine, start_step: int):
         """One endless training stream positioned at `start_step`, and COCO evaluation."""
         shard_policies = []
-        strategy, anchors, size = plan.strategy, self.anchors(config, plan), plan.info.image_size
+        strategy = plan.strategy
 
         def train_input(input_context):
             skip = start_step * config.data.global_batch_size // input_context.num_input_pipelines
             dataset, policy = self.train_dataset(config, plan, input_context, skip)
             shard_policies.append(policy)
-            return classification_data.with_threads(dataset, config.data.data_threads)
+            return stream.with_threads(dataset, config.data.data_threads)
 
         def eval_input(input_context):
-            dataset = data.load(
-                config.data.dataset,
-                "eval",
-                config.data.global_batch_size,
-                image_size=size,
-                data_dir=config.data.data_dir,
-                input_context=input_context,
-                cache=config.data.cache,
-            )[0]
-            return dataset  # (image, truth): what the evaluator needs travels to the gather
+            return self.elements(self.load(config, plan, "eval", input_context)[0], training=False)
 
         train_iterator = iter(strategy.distribute_datasets_from_function(train_input))
         eval_dataset = strategy.distribute_datasets_from_function(eval_input) if config.evaluate else None
@@ -140,12 +159,7 @@ class DetectionTask:
         def evaluate():
             outputs, (_, truth) = engine.predict(eval_dataset)
             evaluator = evaluation.CocoEvaluator(max_detections=config.detection.max_detections)
-            evaluator.update(
-                truth,
-                decode(
-                    outputs, anchors, size, config.detection.score_threshold, config.detection.max_detections
-                ),
-            )
+            evaluator.update(truth, self.detections(outputs, config, plan))
             return {**evaluator.result(), "images": float(evaluator.num_images)}
 
         return (
