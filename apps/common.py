@@ -15,6 +15,7 @@ from tfmp import optim, precision
 from tfmp.distribute import strategies as distribute
 from tfmp.distribute.launch import STARTUP_TIMEOUT_ENV
 from tfmp.errors import UsageError
+from tfmp.models import MODELS
 from tfmp.training.config import TrainConfig
 from tfmp.training.diagnosis import DEFAULT_STEPS as DEFAULT_DIAGNOSE_STEPS
 from tfmp.training.diagnosis import diagnose_precision
@@ -24,9 +25,7 @@ from tfmp.training.run import train_and_evaluate
 FLAGS = flags.FLAGS
 
 # Strings, not enums: tfmp validates them itself so every mistake gets the same one-line error.
-flags.DEFINE_string(
-    "model", "seed_cnn", "Model builder: seed_cnn, lenet, mnist_mlp, resnet20, resnet56, resnet50."
-)
+flags.DEFINE_string("model", "seed_cnn", f"Model builder: {', '.join(MODELS)}.")
 flags.DEFINE_string("dataset", "shapes", "shapes | digits | synthetic | tfds:<name> | folder:<path>.")
 flags.DEFINE_integer("image_size", None, "Resize images to this square size (built-in shapes: any size).")
 flags.DEFINE_string("data_dir", None, "Local TFDS data directory (for tfds:<name>).")

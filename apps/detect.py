@@ -18,7 +18,7 @@ import json
 from absl import flags
 
 from apps import cli, common
-from tfmp.detection import DEFAULTS, faster_rcnn, rcnn_task
+from tfmp.detection import DEFAULTS, data, faster_rcnn, rcnn_task, retinanet
 from tfmp.detection import predict as detection_predict
 from tfmp.detection.task import TASK
 from tfmp.errors import UsageError
@@ -38,6 +38,9 @@ for _name in (
 ):
     FLAGS.set_default(_name, DEFAULTS[_name])
 FLAGS.set_default("log_every", 100)
+# The shared flags' help names the classifiers and image datasets; --help here names detection's.
+FLAGS["model"].help = f"Detector: {', '.join({**retinanet.DETECTORS, **faster_rcnn.DETECTORS})}."
+FLAGS["dataset"].help = f"Detection dataset: {' | '.join(data.CHOICES)}."
 flags.DEFINE_list(
     "predict", [], "Image files to detect objects in with the trained --model_dir (no training)."
 )
@@ -69,7 +72,12 @@ def main(argv):
             print(json.dumps(record), flush=True)
         return
     threshold = DEFAULTS["score_threshold"] if FLAGS.score_threshold is None else FLAGS.score_threshold
-    config = common.config_from_flags(score_threshold=threshold, max_detections=FLAGS.max_detections)
+    overrides = {"score_threshold": threshold, "max_detections": FLAGS.max_detections}
+    if not FLAGS["warmup_steps"].present and 0 < FLAGS.steps < DEFAULTS["steps"]:
+        # The default warmup is a tenth of the default run: a shorter --steps (a smoke test)
+        # keeps that fraction instead of failing on a warmup longer than the run.
+        overrides["warmup_steps"] = DEFAULTS["warmup_steps"] * FLAGS.steps // DEFAULTS["steps"]
+    config = common.config_from_flags(**overrides)
     task = TASK
     if FLAGS.model in faster_rcnn.DETECTORS:
         task = rcnn_task.FasterRCNNTask(FLAGS.rcnn_class_loss, FLAGS.pre_nms_top_k, FLAGS.post_nms_top_k)

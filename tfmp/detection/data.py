@@ -75,7 +75,7 @@ DEFAULT_MAX_BOXES = 100
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 32, 2048
 SCALE_JITTER = (0.75, 1.25)
 MIN_KEPT_AREA, MIN_BOX_SIDE = 0.4, 2.0
-_CHOICES = ["shapes", "coco:<path>", "tfds:voc/2007", "tfds:coco/2017"]
+CHOICES = ["shapes", "coco:<path>", "tfds:voc/2007", "tfds:coco/2017"]
 _AUTOTUNE = stream.AUTOTUNE
 
 
@@ -89,7 +89,7 @@ def source(
 ) -> Source:
     """The `Source` of one split of `spec` (validates everything `load` would)."""
     kind, argument = specs.parse(
-        spec, builtins=("shapes",), with_argument=("coco", "tfds"), what="detection dataset", choices=_CHOICES
+        spec, builtins=("shapes",), with_argument=("coco", "tfds"), what="detection dataset", choices=CHOICES
     )
     specs.check_split(split)
     if max_boxes is not None and (not isinstance(max_boxes, int) or max_boxes < 1):
