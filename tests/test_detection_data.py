@@ -67,6 +67,31 @@ def test_a_single_shape_box_bounds_exactly_the_pixels_that_differ_from_the_backg
         assert differs[y0:y1, x0:x1].any(axis=0)[[0, -1]].all()
 
 
+def test_scene_noise_is_grey_uncorrelated_and_differs_between_scenes():
+    """The noise is a hash of the pixel and the scene's seed: it must look like sensor noise."""
+    noises = []
+    for index in range(2):
+        image, scene_boxes, _ = shapes.draw_scene(tf.constant([9, index], tf.int64), SIZE, 1)
+        image, (x0, y0, x1, y1) = image.numpy(), scene_boxes[0].numpy().astype(int)
+        noise = image - np.median(image.reshape(-1, 3), axis=0)
+        background = (image > 0).all(-1) & (image < 1).all(-1)  # not clipped
+        background[max(y0 - 2, 0) : y1 + 2, max(x0 - 2, 0) : x1 + 2] = False  # nor the shape's edge
+        # Grey: every channel moves by the same amount, up to 8-bit rounding (and the median's).
+        assert np.abs(noise[..., 0] - noise[..., 1])[background].max() <= 2.5 / 255
+        grey = np.where(background, noise[..., 0], np.nan)
+        # Standard deviation 0.03: 8-bit rounding adds 1/255/sqrt(12) in quadrature, and the
+        # estimate over thousands of pixels moves by well under 0.001.
+        assert 0.028 < np.nanstd(grey) < 0.032, np.nanstd(grey)
+        for neighbours in (grey[:, 1:], grey[1:, :]):  # right and below: no pattern
+            pairs = np.isfinite(neighbours) & np.isfinite(grey[: neighbours.shape[0], : neighbours.shape[1]])
+            assert pairs.sum() > 1000  # corr. of independent noise: within 1/sqrt(n) < 0.03 of 0
+            left = grey[: neighbours.shape[0], : neighbours.shape[1]][pairs]
+            assert abs(np.corrcoef(left, neighbours[pairs])[0, 1]) < 0.1
+        noises.append(grey)
+    both = np.isfinite(noises[0]) & np.isfinite(noises[1])
+    assert abs(np.corrcoef(noises[0][both], noises[1][both])[0, 1]) < 0.1
+
+
 @pytest.mark.parametrize("index", range(6))
 def test_flip_and_scale_jitter_move_boxes_with_the_pixels(index):
     # An image whose only ink is the box itself: after augmenting, the ink must be the box.

@@ -14,16 +14,15 @@ hidden shape is still recognisable. A later shape is drawn over an earlier one. 
 8-bit values (as a decoded image file's), so a cached scene equals a drawn one.
 
 How it is cheap (a scene costs less than decoding a JPEG of its size does): the per-example
-part only draws the scene's random numbers; `render_scenes` draws a whole batch with a handful
-of vectorised ops. Each class is a signed distance field (in shape radii, < 0 inside) sampled
-once into a `SPRITE` x `SPRITE` bank; one `ImageProjectiveTransformV3` call rotates, scales and
-places every shape's field at half resolution, a bilinear resize brings it to full resolution
-(a distance field interpolates almost exactly, unlike a mask), and the anti-aliased coverage is
-`0.5 - distance * pixels_per_radius`, as if evaluated per pixel. The painting (compositing the
-shapes over the background, the noise, 8-bit rounding) is one XLA-compiled function (`_paint`):
-fused, it costs a fraction of the dozen full-image passes it is otherwise (one thread, 128 px,
-batch 16: 1,230 drawn scenes/s against 760 unfused, and 830/s for a JPEG pipeline of the same
-scenes; `apps.bench`'s input_cost cell measures it).
+part only draws the scene's few random numbers; `render_scenes` draws a whole batch in one
+XLA-compiled function (`_paint`) of elementwise work that never leaves the CPU's vector units.
+Each class is a signed distance function (in shape radii, < 0 inside) evaluated at every
+pixel's rotated, scaled shape coordinates, and the anti-aliased coverage is
+`0.5 - distance * pixels_per_radius`. The pixel noise is an integer hash of the pixel's index
+and the scene's noise seed (no random numbers drawn per pixel). Compositing the shapes over the
+background, the noise and the 8-bit rounding fuse into the same loop (one thread, 128 px,
+batch 16: about 0.3 ms per scene for the randomness and the drawing; `apps.bench`'s input_cost
+cell compares it with a JPEG pipeline of the same scenes).
 
 Which candidate shapes a scene keeps is decided on each candidate's analytic box (its rotated
 unit square), cheaply for all candidates; the boxes returned are then exact: xyxy pixel edges of
@@ -32,44 +31,41 @@ parts another shape hides), float32 [max_shapes, 4], classes int32 [max_shapes] 
 for the shapes a scene does not have.
 """
 
-import functools
-
-import numpy as np
 import tensorflow as tf
 
 CLASS_NAMES = ("circle", "square", "triangle", "plus", "ring", "bar")
 MAX_COVERED = 0.3  # no box may lie more than this fraction inside another box
 _CANDIDATES_PER_SHAPE = 2  # rejected candidates (too much overlap) leave room for others
-SPRITE, EXTENT = 128, 1.25  # distance bank: SPRITE^2 samples over [-EXTENT, EXTENT]^2 radii
-_FAR = 4.0  # the distance outside the bank: well outside every shape
 # Uniform pixel noise of standard deviation 0.03, grey (the same in every channel, like a
-# sensor's luminance noise): a third of the random numbers of colour noise, which cost a scene
-# 0.55 of its 1.3 ms in the input pipeline (one thread, 128 px); grey noise 0.24 ms.
+# sensor's luminance noise).
 _NOISE = 0.03 * 3**0.5
 
 
-def _distance(u, v):
-    """Signed distances [6, ...] of the classes at shape coordinates u, v (NumPy, float64)."""
-    au, av, r = np.abs(u), np.abs(v), np.sqrt(u * u + v * v)
-    box = lambda half_u, half_v: np.maximum(au - half_u, av - half_v)  # noqa: E731
-    return np.stack(
-        [
-            r - 1.0,  # circle
-            box(0.8, 0.8),  # square
-            np.maximum(v - 0.7, (1.65 * au - 0.95 * (v + 0.95)) / 1.904),  # triangle
-            np.minimum(box(0.28, 1.0), box(1.0, 0.28)),  # plus
-            np.abs(r - 0.72) - 0.24,  # ring
-            box(1.0, 0.26),  # bar (rotated by 90 degrees half of the time)
-        ]
-    )
+def _distance(labels, u, v):
+    """Signed distances of the shapes of classes `labels` at shape coordinates u, v (in radii)."""
+    au, av, r = tf.abs(u), tf.abs(v), tf.sqrt(u * u + v * v)
+    box = lambda half_u, half_v: tf.maximum(au - half_u, av - half_v)  # noqa: E731
+    by_class = [
+        r - 1.0,  # circle
+        box(0.8, 0.8),  # square
+        tf.maximum(v - 0.7, (1.65 * au - 0.95 * (v + 0.95)) / 1.904),  # triangle
+        tf.minimum(box(0.28, 1.0), box(1.0, 0.28)),  # plus
+        tf.abs(r - 0.72) - 0.24,  # ring
+        box(1.0, 0.26),  # bar
+    ]
+    # All six are computed and one is selected per shape: no branch, so XLA vectorises the loop.
+    distance = by_class[0]
+    for label, field in enumerate(by_class[1:], start=1):
+        distance = tf.where(labels == label, field, distance)
+    return distance
 
 
-@functools.cache
-def _bank() -> np.ndarray:
-    """[6, SPRITE, SPRITE, 1] float32 distance fields, pixel centres over [-EXTENT, EXTENT]."""
-    centres = ((np.arange(SPRITE) + 0.5) / SPRITE * 2 - 1) * EXTENT
-    v, u = np.meshgrid(centres, centres, indexing="ij")
-    return _distance(u, v)[..., None].astype(np.float32)
+def _hash(values):
+    """A well-mixed uint32 of each uint32 (Wellons' "lowbias32" integer hash)."""
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        values = tf.bitwise.bitwise_xor(values, tf.bitwise.right_shift(values, shift))
+        values *= tf.constant(multiplier, tf.uint32)
+    return tf.bitwise.bitwise_xor(values, tf.bitwise.right_shift(values, 16))
 
 
 def scene_randomness(key, size: int, max_shapes: int = 4) -> dict:
@@ -78,7 +74,7 @@ def scene_randomness(key, size: int, max_shapes: int = 4) -> dict:
     return {
         "scene": tf.random.stateless_uniform([8], scene_key),
         "shapes": tf.random.stateless_uniform([_CANDIDATES_PER_SHAPE * max_shapes, 9], shapes_key),
-        "noise": tf.random.stateless_uniform([size, size, 1], noise_key, -_NOISE, _NOISE),
+        "noise_seed": tf.random.stateless_uniform([], noise_key, None, None, tf.uint32),
     }
 
 
@@ -98,56 +94,22 @@ def _accept(boxes, wanted):
     return taken
 
 
-def _coverage(labels, radius, centre_y, centre_x, cos, sin, size):
-    """Anti-aliased coverage [K, size, size] of K shapes (see the module docstring)."""
-    grid = -(-size // 2)  # the distance is sampled at half resolution, then resized
-    pixels_per_radius = radius * size
-    k = SPRITE / (2 * EXTENT)  # bank pixels per radius
-    # Output pixel (i, j) of the grid is unit point ((j + .5) / grid, (i + .5) / grid); its
-    # shape coordinates u, v (rotated, in radii) map to bank pixel u * k + EXTENT * k - .5.
-    step, start = k / (radius * grid), k * (0.5 / grid)
-    offset = EXTENT * k - 0.5
-    transforms = tf.stack(
-        [
-            step * cos,
-            step * sin,
-            (cos * (start - k * centre_x) + sin * (start - k * centre_y)) / radius + offset,
-            -step * sin,
-            step * cos,
-            (cos * (start - k * centre_y) - sin * (start - k * centre_x)) / radius + offset,
-            tf.zeros_like(radius),
-            tf.zeros_like(radius),
-        ],
-        axis=1,
-    )
-    distance = tf.raw_ops.ImageProjectiveTransformV3(
-        images=tf.gather(tf.constant(_bank()), labels),
-        transforms=transforms,
-        output_shape=[grid, grid],
-        fill_value=_FAR,
-        interpolation="BILINEAR",
-        fill_mode="CONSTANT",
-    )
-    distance = tf.image.resize(distance, [size, size])[..., 0]
-    return tf.clip_by_value(0.5 - distance * pixels_per_radius[:, None, None], 0.0, 1.0)
-
-
-def _mask_boxes(alpha):
-    """xyxy pixel-edge boxes [K, 4] of the pixels covered by more than half, and whether any."""
-    size = alpha.shape[-1]
-    covered = alpha > 0.5
-    rows, columns = tf.reduce_any(covered, axis=2), tf.reduce_any(covered, axis=1)
-    first = lambda line: tf.argmax(tf.cast(line, tf.int32), axis=1, output_type=tf.int32)  # noqa: E731
-    last = lambda line: size - first(tf.reverse(line, [1]))  # noqa: E731
-    box = tf.stack([first(columns), first(rows), last(columns), last(rows)], axis=1)
-    return tf.cast(box, tf.float32), tf.reduce_any(rows, axis=1)
-
-
 @tf.function(jit_compile=True)
-def _paint(alpha, keep, palette, noise):
-    """8-bit images [N, S, S, 3] from coverages [N, K, S, S] (kept shapes), the background and
-    shape colours [N, 1 + K, 3] and noise [N, S, S, 1]: one XLA cluster of elementwise work."""
-    alpha = alpha * keep[:, :, None, None]
+def _paint(labels, radius, centre_y, centre_x, cos, sin, keep, palette, noise_seed, size: int):
+    """The 8-bit images [N, size, size, 3] and, per shape, which rows and columns [N, K, size]
+    it covers by more than half, from the shapes' [N, K] classes, radii, centres, rotations and
+    `keep` (the ones a scene draws), the background and shape colours `palette` [N, 1 + K, 3]
+    and the scenes' noise seeds [N]: one XLA loop of elementwise work."""
+    pixel = lambda values: values[:, :, None, None]  # noqa: E731
+    centres = (tf.range(size, dtype=tf.float32) + 0.5) / size
+    x, y = centres[None, None, None, :] - pixel(centre_x), centres[None, None, :, None] - pixel(centre_y)
+    u = (pixel(cos) * x + pixel(sin) * y) / pixel(radius)
+    v = (pixel(cos) * y - pixel(sin) * x) / pixel(radius)
+    distance = _distance(pixel(labels), u, v)
+    alpha = tf.clip_by_value(0.5 - distance * pixel(radius * size), 0.0, 1.0)
+    covered = alpha > 0.5
+    rows, columns = tf.reduce_any(covered, axis=3), tf.reduce_any(covered, axis=2)
+    alpha *= pixel(tf.cast(keep & tf.reduce_any(rows, axis=2), alpha.dtype))
     # Drawing shape after shape (image += alpha * (colour - image)) in closed form: each colour
     # weighs its coverage times the transparency of every later shape, the background what is left.
     image, transparency = 0.0, 1.0
@@ -155,14 +117,26 @@ def _paint(alpha, keep, palette, noise):
         image += (alpha[:, slot] * transparency)[..., None] * palette[:, None, None, 1 + slot]
         transparency *= 1.0 - alpha[:, slot]
     image += transparency[..., None] * palette[:, None, None, 0]
-    return tf.clip_by_value(tf.round((image + noise) * 255.0), 0.0, 255.0) / 255.0
+    index = tf.cast(tf.reshape(tf.range(size * size), [1, size, size]), tf.uint32)
+    bits = _hash(tf.bitwise.bitwise_xor(index, _hash(noise_seed)[:, None, None]))
+    uniform = tf.cast(tf.bitwise.right_shift(bits, 8), tf.float32) * 2.0**-24  # [0, 1), 24 bits
+    noise = (2.0 * uniform - 1.0)[..., None] * _NOISE
+    return tf.clip_by_value(tf.round((image + noise) * 255.0), 0.0, 255.0) / 255.0, rows, columns
+
+
+def _extents(rows, columns):
+    """xyxy pixel-edge boxes [..., 4] from the covered rows and columns [..., S], and whether any."""
+    size = rows.shape[-1]
+    first = lambda line: tf.argmax(tf.cast(line, tf.int32), axis=-1, output_type=tf.int32)  # noqa: E731
+    last = lambda line: size - first(tf.reverse(line, [-1]))  # noqa: E731
+    box = tf.stack([first(columns), first(rows), last(columns), last(rows)], axis=-1)
+    return tf.cast(box, tf.float32), tf.reduce_any(rows, axis=-1)
 
 
 def render_scenes(randomness: dict, size: int, max_shapes: int = 4):
     """(images [N, size, size, 3] float32 in [0, 1], boxes [N, max_shapes, 4], classes
     [N, max_shapes]) of a batch of `scene_randomness` dicts (stacked)."""
     scene, params = randomness["scene"], randomness["shapes"]
-    batch = tf.shape(scene)[0]
     wanted = tf.minimum(1 + tf.cast(scene[:, 0] * max_shapes, tf.int32), max_shapes)
     dark = scene[:, 1:2] < 0.5
     background = 0.45 * scene[:, 2:5] + tf.where(dark, 0.0, 0.4)  # [N, 3]
@@ -170,7 +144,8 @@ def render_scenes(randomness: dict, size: int, max_shapes: int = 4):
     radius = 0.1 + 0.15 * params[..., 1]  # the shape spans 20-50% of the image
     centre_y = radius + (1 - 2 * radius) * params[..., 2]
     centre_x = radius + (1 - 2 * radius) * params[..., 3]
-    # +-10 degrees (as tfmp.classification.drawing), plus 90 degrees for half of the bars.
+    # +-10 degrees (as tfmp.classification.drawing), plus 90 degrees for half of the shapes (only
+    # bars and triangles look different for it: bars stand or lie, triangles point up or sideways).
     angle = (params[..., 4] - 0.5) * 0.35 + tf.where(params[..., 8] < 0.5, 0.0, 1.5707964)
     cos, sin = tf.cos(angle), tf.sin(angle)
     spread = radius * (tf.abs(cos) + tf.abs(sin))  # half side of the rotated unit square
@@ -178,23 +153,21 @@ def render_scenes(randomness: dict, size: int, max_shapes: int = 4):
     accepted = _accept(analytic * size, wanted)
     # The accepted candidates first, in drawing order: max_shapes slots, the rest padding.
     order = tf.argsort(tf.cast(~accepted, tf.int32), axis=1, stable=True)[:, :max_shapes]
-    pick = lambda values: tf.reshape(tf.gather(values, order, batch_dims=1), [-1])  # noqa: E731
-    keep = tf.gather(accepted, order, batch_dims=1)
-    alpha = _coverage(*map(pick, (labels, radius, centre_y, centre_x, cos, sin)), size)
-    boxes, visible = _mask_boxes(alpha)
-    keep &= tf.reshape(visible, [batch, max_shapes])
-    contrast = (0.25 + 0.35 * tf.gather(params[..., 5:8], order, batch_dims=1)) * tf.where(dark, 1.0, -1.0)[
-        :, None
-    ]
+    pick = lambda values: tf.gather(values, order, batch_dims=1)  # noqa: E731
+    keep = pick(accepted)
+    contrast = (0.25 + 0.35 * pick(params[..., 5:8])) * tf.where(dark, 1.0, -1.0)[:, None]
     palette = tf.concat([background[:, None], background[:, None] + contrast], axis=1)  # [N, 1 + K, 3]
-    image = _paint(
-        tf.reshape(alpha, [batch, max_shapes, size, size]),
-        tf.cast(keep, tf.float32),
+    image, rows, columns = _paint(
+        *map(pick, (labels, radius, centre_y, centre_x, cos, sin)),
+        keep,
         palette,
-        randomness["noise"],
+        randomness["noise_seed"],
+        size,
     )
-    boxes = tf.where(keep[..., None], tf.reshape(boxes, [batch, max_shapes, 4]), 0.0)
-    classes = tf.where(keep, tf.gather(labels, order, batch_dims=1), -1)
+    boxes, visible = _extents(rows, columns)
+    keep &= visible
+    boxes = tf.where(keep[..., None], boxes, 0.0)
+    classes = tf.where(keep, pick(labels), -1)
     return image, boxes, classes
 
 
