@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tfmp import precision
 from tfmp.bench import cell as bench_cell
-from tfmp.bench import input_cost, schema
+from tfmp.bench import input_cost, schema, workloads
 from tfmp.bench import matrix as bench
 from tfmp.bench import report as bench_report
 from tfmp.bench import runner as bench_runner
@@ -186,7 +186,7 @@ def test_faster_rcnn_setup_trains_one_engine_step_on_the_model_inputs():
     config = _config(data="synthetic", global_batch_size=4, precisions=["float32"])
     cell = next(c for c in bench.cells(config, ENVIRONMENT) if c.get("model") == "faster_rcnn_tiny")
     strategy = tf.distribute.get_strategy()
-    model, optimizer, dataset_fn, image_shape = bench_cell._faster_rcnn_setup(cell, strategy, "float32")
+    model, optimizer, dataset_fn, image_shape = workloads.faster_rcnn_setup(cell, strategy, "float32")
     (inputs,) = dataset_fn(None).element_spec  # (inputs,): the ground truth is among the inputs
     assert set(inputs) == {"images", "gt_boxes", "gt_classes"} == set(model.input)
     for name, spec in inputs.items():
@@ -195,7 +195,7 @@ def test_faster_rcnn_setup_trains_one_engine_step_on_the_model_inputs():
     engine = Engine(strategy, model, optimizer)
     result = engine.train(iter(strategy.distribute_datasets_from_function(dataset_fn)), 1)
     assert math.isfinite(result.metrics["loss"]) and result.nonfinite_steps == 0
-    assert bench_cell._flops_per_step(cell, model) > 0  # the graph leaves the ROI count open
+    assert workloads.flops_per_step(cell, model) > 0  # the graph leaves the ROI count open
 
 
 @pytest.fixture(scope="module")

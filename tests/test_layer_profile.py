@@ -11,7 +11,7 @@ import math
 import pytest
 
 from tfmp.bench import cell as bench_cell
-from tfmp.bench import layer_profile
+from tfmp.bench import layer_profile, workloads
 from tfmp.bench import matrix as bench
 from tfmp.bench import report as bench_report
 from tfmp.detection import data as detection_data
@@ -75,7 +75,7 @@ def test_retinanet_tiny_profile_has_every_layer_both_policies_and_the_step():
     config = _config(layer_profile=["retinanet_tiny"], global_batch_size=2, layer_profile_repeats=1, **timing)
     (cell,) = bench.layer_profile_cells(config)
     result = layer_profile.measure(
-        cell, bench_cell._retinanet_setup, bench_cell._time_engine, bench_cell._executions_per_repeat
+        cell, workloads.retinanet_setup, bench_cell._time_engine, bench_cell._executions_per_repeat
     )
     json.dumps(result)  # the cell prints it as JSON
     num_classes = detection_data.describe("shapes", image_size=64).num_classes

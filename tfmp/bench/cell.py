@@ -11,10 +11,8 @@ device splits, peak memory and compiled graphs never leak between cells. A cell 
 `engine` times tfmp's Engine, `fit` the same model and data under plain Keras `model.fit` /
 `predict`, `peak` the best of several square matmuls in the precision's compute dtype (the
 FLOP/s ceiling the cells are compared to; keys "sizes", "repeats", "min_call_seconds", see `tfmp.bench.peak`).
-A detector name as "model" (`tfmp.detection.retinanet.DETECTORS` or
-`tfmp.detection.faster_rcnn.DETECTORS`) trains it on the built-in detection `shapes` data: the
-pipeline draws the scenes and pads the ground truth, anchors (and Faster R-CNN's ROIs) are
-matched on the device inside the step; "synthetic" repeats one such batch from memory. With
+What each model trains on, and how it is compiled: `tfmp.bench.workloads` (detectors on the
+built-in detection `shapes`, "synthetic" one such batch repeated from memory). With
 "xla": true Faster R-CNN compiles its static-shaped parts (`FasterRCNN.XLA_PARTS`). Optional keys "intra_op_threads",
 "inter_op_threads" (set before TensorFlow starts) and "data_threads" (tf.data private pool)
 change the thread settings.
@@ -41,24 +39,14 @@ import keras
 import tensorflow as tf
 
 from tfmp import models, precision
-from tfmp.bench import input_cost, layer_profile, python_threads
+from tfmp.bench import input_cost, layer_profile, python_threads, workloads
 from tfmp.bench import peak as bench_peak
 from tfmp.bench import pipeline as bench_pipeline
 from tfmp.bench.matrix import RESULT_PREFIX
 from tfmp.classification import data
-from tfmp.classification.task import compile_classifier
-from tfmp.detection import data as detection_data
-from tfmp.detection import faster_rcnn, losses, rcnn_losses, rcnn_task, retinanet, targets
-from tfmp.detection.task import compile_detector
+from tfmp.detection import faster_rcnn, retinanet
 from tfmp.distribute import strategies as distribute
-from tfmp.training import fitting
 from tfmp.training.engine import Engine
-
-MNIST_SHAPED = ("mnist_mlp", "lenet")
-
-
-def is_detector(name: str) -> bool:
-    return name in retinanet.DETECTORS or name in faster_rcnn.DETECTORS
 
 
 def environment() -> dict:
@@ -71,107 +59,6 @@ def environment() -> dict:
         "cpu_fast_bfloat16": precision.detect_hardware().cpu_fast_bfloat16,
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
     }
-
-
-def _dataset_spec(cell: dict) -> str:
-    if is_detector(cell["model"]):
-        return "shapes"  # the detection flavour (boxes), see _shapes_dataset_fn
-    if cell["data"] == "builtin":
-        return "digits" if cell["model"] in MNIST_SHAPED else "shapes"
-    return cell["data"]
-
-
-def _image_size(cell: dict, spec: str):
-    return None if spec == "digits" or cell["model"] in MNIST_SHAPED else cell.get("image_size")
-
-
-def _optimizer(policy: str):
-    return precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy, "auto")
-
-
-def _classifier_setup(cell: dict, strategy, policy: str):
-    """(compiled classifier, optimizer, dataset_fn(input_context), image shape)."""
-    spec = _dataset_spec(cell)
-    image_size = _image_size(cell, spec)
-    info = data.describe(spec, image_size=image_size)
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = models.build(cell["model"], info.image_shape, info.num_classes, dtype=policy)
-        optimizer = _optimizer(policy)
-    compile_classifier(model, optimizer, strategy)
-
-    def dataset_fn(context):
-        return data.load(
-            spec,
-            "train",
-            cell["global_batch_size"],
-            image_size=image_size,
-            input_context=context,
-            cache=cell.get("cache", False),
-        )[0]
-
-    return model, optimizer, dataset_fn, info.image_shape
-
-
-def _shapes_dataset_fn(cell: dict, to_elements):
-    """dataset_fn(input_context) of the built-in detection `shapes` at the cell's image size and
-    batch, its (image, truth) batches mapped by `to_elements` into the model's elements."""
-
-    def dataset_fn(context, synthetic=cell["data"] == "synthetic"):
-        dataset = detection_data.load(
-            "shapes",
-            "train",
-            cell["global_batch_size"],
-            image_size=cell["image_size"],
-            input_context=context,
-        )[0]
-        dataset = to_elements(dataset)
-        # Synthetic reference: one real batch (drawn once) repeated, so the input pipeline's
-        # cost drops out and the step (anchors matched in it) is the same work.
-        return dataset.take(1).cache().repeat() if synthetic else dataset
-
-    return dataset_fn
-
-
-def _retinanet_elements(dataset):
-    return dataset.map(lambda image, truth: (image, losses.ground_truth_labels(truth)))
-
-
-def _retinanet_setup(cell: dict, strategy, policy: str):
-    """(compiled RetinaNet, optimizer, dataset_fn(input_context), image shape) on `shapes`."""
-    size = cell["image_size"]
-    info = detection_data.describe("shapes", image_size=size)
-    matcher = targets.AnchorMatcher(size, retinanet.anchor_config(cell["model"]))
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = retinanet.build_detector(cell["model"], size, info.num_classes, dtype=policy)
-        optimizer = _optimizer(policy)
-    compile_detector(model, optimizer, strategy, matcher=matcher, max_boxes=info.max_boxes)
-    return model, optimizer, _shapes_dataset_fn(cell, _retinanet_elements), (size, size, 3)
-
-
-def _faster_rcnn_setup(cell: dict, strategy, policy: str):
-    """(compiled Faster R-CNN, optimizer, dataset_fn(input_context), image shape) on `shapes`,
-    compiled as `rcnn_task.FasterRCNNTask` compiles it (its loss, built for
-    `rcnn_task.model_elements`: `(inputs,)` with the padded ground truth among the inputs)."""
-    size = cell["image_size"]
-    info = detection_data.describe("shapes", image_size=size)
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = faster_rcnn.build_detector(cell["model"], size, info.num_classes, dtype=policy)
-        optimizer = _optimizer(policy)
-        model.compile(optimizer=optimizer, loss=rcnn_losses.FasterRCNNLoss(rcnn_task.TASK.class_loss))
-    dataset_fn = _shapes_dataset_fn(cell, rcnn_task.model_elements)
-    fitting.build_for_data(model, strategy, dataset_fn(None).element_spec)
-    return model, optimizer, dataset_fn, (size, size, 3)
-
-
-def _setup(name: str):
-    """The setup function of model `name`: (cell, strategy, policy) -> (compiled model,
-    optimizer, dataset_fn(input_context), image shape)."""
-    if name in faster_rcnn.DETECTORS:
-        return _faster_rcnn_setup
-    return _retinanet_setup if name in retinanet.DETECTORS else _classifier_setup
 
 
 def _engine_executions(cell, strategy, engine, dataset_fn):
@@ -202,7 +89,7 @@ def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
 
 def is_paired(cell: dict) -> bool:
     """A detector's synthetic-input reference cell also times the real pipeline, in turn."""
-    return cell.get("reference") == "input" and is_detector(cell["model"])
+    return cell.get("reference") == "input" and workloads.is_detector(cell["model"])
 
 
 def _time_paired(cell, strategy, model, optimizer, dataset_fn):
@@ -308,7 +195,9 @@ def measure(cell: dict) -> dict:
     if cell["kind"] == "pipeline":
         return _measure_pipeline(cell)
     if cell["kind"] == "layer_profile":
-        return layer_profile.measure(cell, _setup(cell["model"]), _time_engine, _executions_per_repeat)
+        return layer_profile.measure(
+            cell, workloads.setup_for(cell["model"]), _time_engine, _executions_per_repeat
+        )
     return _measure_training(cell)
 
 
@@ -324,7 +213,7 @@ def _measure_training(cell: dict) -> dict:
     )
     policy = precision.resolve(cell["precision"]).policy
     before_model = _peak_host_memory_mb()  # TensorFlow's runtime and Python, no model yet
-    model, optimizer, dataset_fn, image_shape = _setup(cell["model"])(cell, strategy, policy)
+    model, optimizer, dataset_fn, image_shape = workloads.setup_for(cell["model"])(cell, strategy, policy)
     paired_input = None
     if is_paired(cell):
         repeats, real_repeats = _time_paired(cell, strategy, model, optimizer, dataset_fn)
@@ -334,7 +223,7 @@ def _measure_training(cell: dict) -> dict:
         repeats = timing(cell, strategy, model, optimizer, dataset_fn, _timer(cell))
     result = {
         "policy": policy,
-        "dataset": _dataset_spec(cell),
+        "dataset": workloads.dataset_spec(cell),
         "image_shape": list(image_shape),
         "replicas": strategy.num_replicas_in_sync,
         "workers": distribute.describe(strategy).workers,
@@ -370,7 +259,7 @@ def _speed(cell: dict, model, repeats: list[list[float]]) -> dict:
     steps = cell["steps_per_execution"]
     step_times = sorted(t / steps for times in repeats for t in times)
     throughputs = _throughputs(cell, repeats)
-    flops_per_step = _flops_per_step(cell, model)
+    flops_per_step = workloads.flops_per_step(cell, model)
     median_step = statistics.median(step_times)
     return {
         "examples_per_sec": statistics.median(throughputs),
@@ -381,33 +270,6 @@ def _speed(cell: dict, model, repeats: list[list[float]]) -> dict:
         "flops_per_step": flops_per_step,
         "flops_per_sec": flops_per_step / median_step,
     }
-
-
-def _flops_per_step(cell: dict, model) -> int:
-    """Model FLOPs of one step (`tfmp.models.count_flops`), forward x 3 when training."""
-    training = cell["mode"] == "train"
-    if cell["model"] in faster_rcnn.DETECTORS:
-        forward = _faster_rcnn_flops(model, training) * cell["global_batch_size"]
-    else:
-        forward = models.count_flops(model, cell["global_batch_size"])
-    return forward * (3 if training else 1)
-
-
-def _faster_rcnn_flops(model, training: bool) -> int:
-    """Forward FLOPs of one image: `count_flops` of the fixed-shape part (backbone, FPN, RPN),
-    plus the box head's dense layers once per ROI. The graph leaves the ROI count open (so
-    `count_flops` cannot count the head): the sampled ROIs in training, the proposals otherwise."""
-    rpn_outputs = [model.get_layer(f"{model.name}_{kind}").output for kind in ("rpn_scores", "rpn_deltas")]
-    fixed = models.count_flops(keras.Model(model.input["images"], rpn_outputs))
-    if training:
-        rois = model.get_layer(f"{model.name}_sample_rois").rois_per_image
-    else:
-        rois = model.get_layer(f"{model.name}_proposals").post_nms_top_k
-    head = [layer for layer in model.layers if layer.name.startswith(f"{model.name}_head_")]
-    per_roi = sum(
-        2 * math.prod(layer.kernel.shape) for layer in head if isinstance(layer, keras.layers.Dense)
-    )
-    return fixed + rois * per_roi
 
 
 def _peak_host_memory_mb() -> float:

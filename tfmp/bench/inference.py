@@ -30,11 +30,10 @@ import tensorflow as tf
 
 from tfmp import models, precision
 from tfmp.bench.runner import hardware
+from tfmp.bench.workloads import MNIST_SHAPED
 from tfmp.errors import UsageError, unknown
 from tfmp.serving import export
 from tfmp.serving import predictors as inference
-
-MNIST_SHAPED = ("mnist_mlp", "lenet")
 
 
 @dataclasses.dataclass
