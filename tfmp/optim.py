@@ -58,8 +58,8 @@ def schedule(
         raise UsageError(f"learning rate {learning_rate} must be positive, e.g. 0.001")
     if warmup_steps < 0 or warmup_steps > total_steps:
         raise UsageError(
-            f"warmup of {warmup_steps} steps must be between 0 and the {total_steps} training steps; "
-            f"use warmup_steps <= {total_steps}"
+            f"warmup of {warmup_steps} steps does not fit the {total_steps} training steps; "
+            f"use warmup_steps from 0 to {total_steps}"
         )
     return WarmupSchedule(learning_rate, total_steps, warmup_steps, decay)
 
