@@ -15,7 +15,7 @@ hidden shape is still recognisable. A later shape is drawn over an earlier one. 
 
 How it is cheap (a scene costs less than decoding a JPEG of its size does): the per-example
 part only draws the scene's few random numbers; `render_scenes` draws a whole batch in one
-XLA-compiled function (`_paint`) of elementwise work that never leaves the CPU's vector units.
+XLA-compiled function (`_paint`) of elementwise work, which XLA fuses and vectorises.
 Each class is a signed distance function (in shape radii, < 0 inside) evaluated at every
 pixel's rotated, scaled shape coordinates, and the anti-aliased coverage is
 `0.5 - distance * pixels_per_radius`. The pixel noise is an integer hash of the pixel's index
