@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfmp.classification import data
+from tfmp.classification import data, drawing
 from tfmp.errors import UsageError
 
 tfds.disable_progress_bar()
@@ -116,6 +116,14 @@ def test_digits_learnable_quickly():
     model.fit(data.load("digits", "train", 64)[0], steps_per_epoch=60, verbose=0)
     _, accuracy = model.evaluate(data.load("digits", "eval", 256, training=False)[0].take(1), verbose=0)
     assert accuracy > 0.5  # chance is 0.1
+
+
+def test_shape_distances_are_named_in_label_order():
+    """draw_shape picks a label's shape by position; the detection scenes pick theirs by name."""
+    fields = drawing.shape_distances(tf.constant([0.0, 2.0]), tf.constant([0.0, 0.0]))
+    assert tuple(fields) == data.SHAPES_CLASS_NAMES
+    for name in ("circle", "square", "plus", "ellipse", "x"):  # centred shapes: inside at 0, outside at 2
+        assert fields[name][0] < 0 < fields[name][1], name
 
 
 @pytest.mark.slow

@@ -17,6 +17,26 @@ def _grid(size):
     return centres[:, None], centres[None, :]
 
 
+def shape_distances(u, v) -> dict:
+    """Signed distance (in radii, < 0 inside) of every shape at shape coordinates u, v, by name,
+    in the order of the `shapes` labels (`tfmp.classification.data.SHAPES_CLASS_NAMES`). The
+    detection scenes (`tfmp.detection.shapes`) draw some of them too."""
+    au, av, r = tf.abs(u), tf.abs(v), tf.sqrt(u * u + v * v)
+    box = lambda half_u, half_v: tf.maximum(au - half_u, av - half_v)  # noqa: E731
+    return {
+        "circle": r - 1.0,  # filled
+        "square": box(0.8, 0.8),
+        "triangle": tf.maximum(v - 0.7, (1.65 * au - 0.95 * (v + 0.95)) / 1.904),
+        "diamond": (au + av - 1.0) / 1.414,
+        "plus": tf.minimum(box(0.28, 1.0), box(1.0, 0.28)),
+        "ring": tf.abs(r - 0.72) - 0.24,
+        "horizontal_bar": box(1.0, 0.26),
+        "vertical_bar": box(0.26, 1.0),
+        "ellipse": (tf.sqrt(u * u + (v / 0.55) ** 2) - 1.0) * 0.55,
+        "x": tf.maximum(tf.minimum(tf.abs(u - v), tf.abs(u + v)) / 1.414 - 0.2, box(0.85, 0.85)),
+    }
+
+
 def draw_shape(key, label, size):
     """One `shapes` image: a signed distance field per class, anti-aliased over one pixel."""
     params_key, noise_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
@@ -28,21 +48,7 @@ def draw_shape(key, label, size):
     dy, dx = y - centre_y, x - centre_x
     u = (tf.cos(angle) * dx + tf.sin(angle) * dy) / radius  # shape coordinates, ~[-1, 1]
     v = (tf.cos(angle) * dy - tf.sin(angle) * dx) / radius
-    au, av, r = tf.abs(u), tf.abs(v), tf.sqrt(u * u + v * v)
-    box = lambda half_u, half_v: tf.maximum(au - half_u, av - half_v)
-    distances = [
-        r - 1.0,  # 0 filled circle
-        box(0.8, 0.8),  # 1 square
-        tf.maximum(v - 0.7, (1.65 * au - 0.95 * (v + 0.95)) / 1.904),  # 2 triangle
-        (au + av - 1.0) / 1.414,  # 3 diamond
-        tf.minimum(box(0.28, 1.0), box(1.0, 0.28)),  # 4 plus
-        tf.abs(r - 0.72) - 0.24,  # 5 ring
-        box(1.0, 0.26),  # 6 horizontal bar
-        box(0.26, 1.0),  # 7 vertical bar
-        (tf.sqrt(u * u + (v / 0.55) ** 2) - 1.0) * 0.55,  # 8 ellipse
-        tf.maximum(tf.minimum(tf.abs(u - v), tf.abs(u + v)) / 1.414 - 0.2, box(0.85, 0.85)),  # 9 X
-    ]
-    distance = tf.gather(tf.stack(distances), label)
+    distance = tf.gather(tf.stack(list(shape_distances(u, v).values())), label)
     alpha = tf.clip_by_value(0.5 - distance * radius * size, 0.0, 1.0)[:, :, None]
     # Random colours, but each channel of the shape is 0.35-0.55 brighter than the background
     # (or darker: a coin flip), so the outline is always visible.

@@ -33,7 +33,12 @@ for the shapes a scene does not have.
 
 import tensorflow as tf
 
+from tfmp.classification import drawing
+
 CLASS_NAMES = ("circle", "square", "triangle", "plus", "ring", "bar")
+# How each class is drawn: its shape in tfmp.classification.drawing (a bar lies or, turned by
+# 90 degrees, stands).
+_DRAWN_AS = ("circle", "square", "triangle", "plus", "ring", "horizontal_bar")
 MAX_COVERED = 0.3  # no box may lie more than this fraction inside another box
 _CANDIDATES_PER_SHAPE = 2  # rejected candidates (too much overlap) leave room for others
 # Uniform pixel noise of standard deviation 0.03, grey (the same in every channel, like a
@@ -43,20 +48,12 @@ _NOISE = 0.03 * 3**0.5
 
 def _distance(labels, u, v):
     """Signed distances of the shapes of classes `labels` at shape coordinates u, v (in radii)."""
-    au, av, r = tf.abs(u), tf.abs(v), tf.sqrt(u * u + v * v)
-    box = lambda half_u, half_v: tf.maximum(au - half_u, av - half_v)  # noqa: E731
-    by_class = [
-        r - 1.0,  # circle
-        box(0.8, 0.8),  # square
-        tf.maximum(v - 0.7, (1.65 * au - 0.95 * (v + 0.95)) / 1.904),  # triangle
-        tf.minimum(box(0.28, 1.0), box(1.0, 0.28)),  # plus
-        tf.abs(r - 0.72) - 0.24,  # ring
-        box(1.0, 0.26),  # bar
-    ]
-    # All six are computed and one is selected per shape: no branch, so XLA vectorises the loop.
-    distance = by_class[0]
-    for label, field in enumerate(by_class[1:], start=1):
-        distance = tf.where(labels == label, field, distance)
+    fields = drawing.shape_distances(u, v)
+    # All six are computed and one is selected per shape: no branch, so XLA vectorises the loop
+    # (and drops the classifier-only shapes as dead code).
+    distance = fields[_DRAWN_AS[0]]
+    for label, name in enumerate(_DRAWN_AS[1:], start=1):
+        distance = tf.where(labels == label, fields[name], distance)
     return distance
 
 
