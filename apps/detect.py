@@ -21,9 +21,11 @@ from apps import cli, common
 from tfmp.detection import DEFAULTS, data, faster_rcnn, rcnn_task, retinanet
 from tfmp.detection import predict as detection_predict
 from tfmp.detection.task import TASK
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, unknown
 
 FLAGS = flags.FLAGS
+# Both detector families: --model picks the family's task (RetinaNet's or Faster R-CNN's).
+DETECTORS = {**retinanet.DETECTORS, **faster_rcnn.DETECTORS}
 for _name in (
     "model",
     "dataset",
@@ -39,7 +41,7 @@ for _name in (
     FLAGS.set_default(_name, DEFAULTS[_name])
 FLAGS.set_default("log_every", 100)
 # The shared flags' help names the classifiers and image datasets; --help here names detection's.
-FLAGS["model"].help = f"Detector: {', '.join({**retinanet.DETECTORS, **faster_rcnn.DETECTORS})}."
+FLAGS["model"].help = f"Detector: {', '.join(DETECTORS)}."
 FLAGS["dataset"].help = f"Detection dataset: {' | '.join(data.CHOICES)}."
 flags.DEFINE_list(
     "predict", [], "Image files to detect objects in with the trained --model_dir (no training)."
@@ -71,6 +73,8 @@ def main(argv):
         ):
             print(json.dumps(record), flush=True)
         return
+    if FLAGS.model not in DETECTORS:  # each task knows its own family only
+        raise unknown("detector", FLAGS.model, DETECTORS)
     threshold = DEFAULTS["score_threshold"] if FLAGS.score_threshold is None else FLAGS.score_threshold
     overrides = {"score_threshold": threshold, "max_detections": FLAGS.max_detections}
     if not FLAGS["warmup_steps"].present and 0 < FLAGS.steps < DEFAULTS["steps"]:

@@ -151,7 +151,10 @@ def test_app_trains_mixed_and_predicts_float32_boxes_drawn_to_png(tmp_path):
 
 
 BAD_INPUT = [
-    (["--model=yolo9"], "unknown detector 'yolo9'"),
+    (
+        ["--model=yolo9"],  # both families named: RetinaNet's task alone knows only its own
+        "unknown detector 'yolo9'; choose one of: faster_rcnn_resnet50_fpn, faster_rcnn_tiny, retinanet_",
+    ),
     (["--predict=/nonexistent/a.png", "--model_dir=MISSING"], "is not a tfmp run directory"),
     (["--dataset=coco:/nonexistent"], "COCO dataset path '/nonexistent' does not exist"),
 ]
