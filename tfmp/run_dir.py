@@ -18,8 +18,10 @@ This module imports nothing heavy, so the launcher and `apps.predict` can read a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import tempfile
 
 from tfmp.errors import UsageError
 
@@ -31,6 +33,35 @@ MODEL_FILE = "model.keras"
 EXPORT_DIR = "export"
 EXPORT_METADATA_FILE = "export.json"  # inside each export/<precision>/ directory
 PRECISION_REPORT_FILE = "precision_report.json"
+
+
+def writable_dir(path: str, flag: str = "--model_dir") -> str:
+    """`path` with `~` expanded, made absolute, checked to be a directory this process can write.
+
+    Nothing is created: the nearest existing ancestor is probed with a temporary directory that
+    is removed at once, so a read-only or missing mount fails here, before a run writes anything.
+    A UsageError names the flag, the value and the fix.
+    """
+    if not path:
+        raise UsageError(f"{flag} is empty; name a directory")
+    resolved = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(resolved) and not os.path.isdir(resolved):
+        raise UsageError(f"{flag}={path} is a file, not a directory; name a directory (new or existing)")
+    ancestor = resolved
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"{flag}={path}: {ancestor} is a file, not a directory; name another path")
+    try:
+        with tempfile.TemporaryDirectory(prefix=".tfmp-write-probe-", dir=ancestor):
+            pass
+    except OSError as error:
+        reasons = {errno.EROFS: "read-only file system", errno.EACCES: "permission denied"}
+        reason = reasons.get(error.errno, "not writable")
+        raise UsageError(
+            f"{flag}={path}: cannot write in {ancestor} ({reason}); name a writable directory"
+        ) from None
+    return resolved
 
 
 def is_run_dir(path: str) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -34,6 +35,9 @@ STARTUP_TIMEOUT_ENV = "TFMP_STARTUP_TIMEOUT"
 # One name per launched group (kept across restarts), so the workers of an app started without
 # --model_dir agree on the default run directory and a restarted group resumes it.
 RUN_NAME_ENV = "TFMP_RUN_NAME"
+# The launcher's own command line, for a worker's "how to resume" hint: re-running the worker's
+# command alone would not start its peers.
+LAUNCH_COMMAND_ENV = "TFMP_LAUNCH_COMMAND"
 PREEMPTION_GRACE_SECONDS = 120  # for the other workers to finish the preemption checkpoint
 
 
@@ -248,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     options, command = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not command:
         parser.error("the worker command after -- is empty")
+    os.environ[LAUNCH_COMMAND_ENV] = shlex.join(["python", "-m", "tfmp.launch", *argv])
     try:
         if options.workers:
             if options.hosts:
