@@ -24,6 +24,7 @@ import json
 from absl import flags
 
 from apps import cli
+from tfmp import run_dir
 from tfmp.errors import UsageError
 from tfmp.serving import predictors
 
@@ -46,6 +47,16 @@ def main(argv):
         raise UsageError("no images given; usage: python -m apps.predict --model=RUN img1.png img2.jpg")
     if FLAGS.top_k < 1:
         raise UsageError(f"--top_k={FLAGS.top_k} must be >= 1")
+    if FLAGS.batch_size < 1:
+        raise UsageError(f"--batch_size={FLAGS.batch_size} must be a positive number of images, e.g. 32")
+    if FLAGS.max_detections < 1:
+        raise UsageError(
+            f"--max_detections={FLAGS.max_detections} must be a positive number of boxes, e.g. 100"
+        )
+    if not 0 <= FLAGS.score_threshold < 1:
+        raise UsageError(f"--score_threshold={FLAGS.score_threshold} must be a score in [0, 1), e.g. 0.3")
+    if FLAGS.output_dir:
+        run_dir.writable_dir(FLAGS.output_dir, "--output_dir")
     settings = {
         name: FLAGS[name].value
         for name in ("top_k", "batch_size", "score_threshold", "max_detections", "output_dir")

@@ -54,8 +54,8 @@ def schedule(
 ) -> WarmupSchedule:
     if decay not in DECAYS:
         raise unknown("learning-rate decay", decay, DECAYS)
-    if not learning_rate > 0:
-        raise UsageError(f"learning rate {learning_rate} must be positive, e.g. 0.001")
+    if not 0 < learning_rate < math.inf:  # also refuses NaN
+        raise UsageError(f"learning rate {learning_rate} must be a positive finite number, e.g. 0.001")
     if warmup_steps < 0 or warmup_steps > total_steps:
         raise UsageError(
             f"warmup of {warmup_steps} steps does not fit the {total_steps} training steps; "
@@ -86,4 +86,8 @@ def build(name: str, learning_rate, weight_decay: float | None = None) -> keras.
     """`sgd` (momentum 0.9, Nesterov), `adam`, `adamw` or `rmsprop`."""
     if name not in OPTIMIZERS:
         raise unknown("optimizer", name, OPTIMIZERS)
+    if weight_decay is not None and not 0 <= weight_decay < math.inf:  # also refuses NaN
+        raise UsageError(
+            f"weight decay {weight_decay} must be 0 (none) or a positive finite number, e.g. 1e-4"
+        )
     return OPTIMIZERS[name](learning_rate, weight_decay or None)

@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import tempfile
+import zipfile
 
 from tfmp.errors import UsageError
 
@@ -105,4 +106,20 @@ def model_path(path: str) -> str:
     saved = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(saved):
         raise UsageError(f"run {path!r} has no {MODEL_FILE} (unfinished run?); train it to the end first")
+    check_keras_file(saved)
     return saved
+
+
+def check_keras_file(path: str) -> None:
+    """A UsageError unless `path` is a whole `.keras` archive (a zip with its config), so a truncated
+    or overwritten file is named as such instead of Keras' "File not found" for a file that exists."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            complete = "config.json" in archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        complete = False
+    if not complete:
+        raise UsageError(
+            f"{path!r} is not a complete .keras file (truncated, overwritten or another format); "
+            "save the model again, e.g. train the run to its end"
+        )

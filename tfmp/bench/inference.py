@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -28,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import models, precision
+from tfmp import models, precision, run_dir
 from tfmp.bench.runner import hardware
 from tfmp.bench.workloads import MNIST_SHAPED
 from tfmp.errors import UsageError, unknown
@@ -69,8 +70,12 @@ def _validate(config: InferenceBenchConfig) -> None:
     export.check_request(config.formats, "float32")
     if not config.models:
         raise UsageError("--models needs at least one model")
-    if config.batch_size < 1 or config.repeats < 1 or config.min_repeat_seconds <= 0:
-        raise UsageError("--global_batch_size, --repeats and --min_repeat_seconds must be positive")
+    if config.batch_size < 1 or config.repeats < 1 or not 0 < config.min_repeat_seconds < math.inf:
+        raise UsageError(
+            f"--global_batch_size={config.batch_size}, --repeats={config.repeats} and "
+            f"--min_repeat_seconds={config.min_repeat_seconds} must be positive (and finite)"
+        )
+    run_dir.writable_dir(config.output_dir, "--output_dir")
 
 
 def _artifacts(model, name: str, precisions, formats, directory: str) -> list[dict]:

@@ -27,7 +27,9 @@ an `Environment` that a fresh cell process reports.
 from __future__ import annotations
 
 import dataclasses
+import math
 
+from tfmp import run_dir
 from tfmp.bench import threads as bench_threads
 from tfmp.errors import UsageError, unknown
 
@@ -116,6 +118,12 @@ def check(config: BenchConfig) -> None:
         raise UsageError(f"--peak_sizes={config.peak_sizes} needs matrix sizes >= 1, e.g. 1024,2048,4096")
     if config.warmup_executions < 1:
         raise UsageError("--warmup_executions must be >= 1: the first call traces and compiles")
+    for flag in ("min_repeat_seconds", "peak_min_call_seconds"):
+        if not 0 < getattr(config, flag) < math.inf:  # also refuses NaN
+            raise UsageError(
+                f"--{flag}={getattr(config, flag)} must be a positive number of seconds, e.g. 1.5"
+            )
+    run_dir.writable_dir(config.output_dir, "--output_dir")
     for flag in ("study_image_size", "study_batch_size", "threads_rounds", "layer_profile_repeats"):
         if getattr(config, flag) < 1:
             raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")

@@ -223,8 +223,30 @@ def host_tf_config(hosts: str, task_index: int) -> str:
     return raw
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with tfmp's user-error format: one `error:` line, exit 2 (not usage + error)."""
+
+    def error(self, message):
+        print(f"error: {message}; see python -m tfmp.launch --help", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _check_options(options: argparse.Namespace, command: list[str]) -> None:
+    """Numbers that must be positive (or zero where zero means "default"), and a command that exists."""
+    at_least = {"workers": 0, "max_restarts": 0, "startup_timeout": 1, "devices_per_worker": 1}
+    for name, low in at_least.items():
+        value = getattr(options, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name}={value} must be >= {low}")
+    if shutil.which(command[0]) is None:
+        raise UsageError(
+            f"worker command {command[0]!r} is not an executable file or on PATH; "
+            "give the command to run after --, e.g. -- python -m apps.mnist"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m tfmp.launch",
         description=__doc__.split("\n")[0],
         usage="%(prog)s [options] -- COMMAND ...",
@@ -254,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the worker command after -- is empty")
     os.environ[LAUNCH_COMMAND_ENV] = shlex.join(["python", "-m", "tfmp.launch", *argv])
     try:
+        _check_options(options, command)
         if options.workers:
             if options.hosts:
                 raise UsageError("--workers starts local workers; --hosts names remote ones: give one")

@@ -33,6 +33,13 @@ LR_SCALING = ("none", "linear", "sqrt")
 DEFAULT_STARTUP_TIMEOUT = 120.0
 
 
+def max_cpu_devices() -> int:
+    """The most logical CPU devices `split_cpu` makes: 4 per core. One per core is the useful
+    split; a few more still test replica counts on a small host, while 1000 would stall the
+    first step for many minutes (each device gets its own executor and copy of every variable)."""
+    return 4 * (os.cpu_count() or 1)
+
+
 def split_cpu(num_devices: int) -> None:
     """Splits the CPU into `num_devices` logical devices so MirroredStrategy runs without GPUs.
 
@@ -40,6 +47,12 @@ def split_cpu(num_devices: int) -> None:
     """
     if num_devices <= 1:
         return
+    if num_devices > max_cpu_devices():
+        raise UsageError(
+            f"--cpu_replicas={num_devices} is more than the {max_cpu_devices()} logical CPU devices this "
+            f"host of {os.cpu_count()} cores can use (4 per core); use at most one per core, "
+            f"e.g. --cpu_replicas={os.cpu_count()}"
+        )
     cpu = tf.config.list_physical_devices("CPU")[0]
     wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)]
     try:

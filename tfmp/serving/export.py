@@ -207,6 +207,7 @@ def export(
     if reference_images is None:
         reference_images = np.random.default_rng(0).uniform(size=(64, *image_shape))
     reference_images = np.asarray(reference_images, np.float32)
+    output_dir = run_files.writable_dir(output_dir, "output_dir")
     final_dir = os.path.join(output_dir, precision)
     if os.path.exists(final_dir) and not os.path.isdir(final_dir):
         raise UsageError(f"export path {final_dir!r} exists and is not a directory; remove it")
@@ -307,14 +308,20 @@ def export_run(
     formats = check_request(formats, precision)
     if eval_batches < 1 or batch_size < 1:
         raise UsageError(f"eval_batches={eval_batches} and batch_size={batch_size} must be >= 1")
+    run_dir = os.path.expanduser(run_dir)
     model_path = os.path.join(run_dir, run_files.MODEL_FILE)
     if not os.path.isdir(run_dir):
-        raise UsageError(f"--model_dir={run_dir} does not exist; give a training run dir")
+        raise UsageError(
+            f"--model_dir={run_dir} does not exist or is not a directory; give a training run dir"
+        )
     if not os.path.isfile(model_path):
         raise UsageError(
             f"--model_dir={run_dir} holds no {run_files.MODEL_FILE}; "
             "train to the end first (the model is saved when a run finishes)"
         )
+    output_dir = run_files.writable_dir(
+        output_dir or os.path.join(run_dir, run_files.EXPORT_DIR), "--output_dir"
+    )
     trained = run_files.read_flags(run_dir).get("model")
     if trained and not any(spec.trains(trained) for spec in predictors.KINDS.values()):
         raise UsageError(
@@ -337,7 +344,7 @@ def export_run(
     metadata.update(source_model=os.path.abspath(model_path), compared_with=source)
     return export(
         model,
-        output_dir or os.path.join(run_dir, run_files.EXPORT_DIR),
+        output_dir,
         formats,
         precision,
         metadata=metadata,

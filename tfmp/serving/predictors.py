@@ -85,6 +85,8 @@ def read_images(paths, preprocessing: Preprocessing) -> np.ndarray:
     (checked for all files before anything is predicted)."""
     images = []
     for path in paths:
+        if os.path.isdir(path):
+            raise UsageError(f"image {path!r} is a directory; give image files, e.g. {path}/*.png")
         try:
             raw = tf.io.decode_image(
                 tf.io.read_file(path), channels=preprocessing.channels, expand_animations=False
@@ -189,6 +191,7 @@ class KerasPredictor(Predictor):
 
     def __init__(self, path, metadata, model=None):
         if model is None:
+            run_dir.check_keras_file(path)
             try:
                 model = keras.saving.load_model(path, compile=False)
             except Exception as error:  # a corrupt or foreign file: say which, not a traceback

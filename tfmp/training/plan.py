@@ -54,6 +54,44 @@ def _check_positive(**values):
             raise UsageError(f"--{name}={value} must be positive")
 
 
+def _check_ranges(config: TrainConfig) -> None:
+    """The numbers whose zero means "default": negative, NaN or infinite ones are refused."""
+    zero_means = {
+        "steps_per_epoch": (config.optimization.steps_per_epoch, "train examples // global batch"),
+        "checkpoint_every": (config.checkpointing.checkpoint_every, "save at every epoch end"),
+        "warmup_steps": (config.optimization.warmup_steps, "no warmup"),
+        "cpu_replicas": (config.distribution.cpu_replicas, "no split"),
+        "intra_op_threads": (config.distribution.intra_op_threads, "TensorFlow's default"),
+        "inter_op_threads": (config.distribution.inter_op_threads, "TensorFlow's default"),
+        "data_threads": (config.data.data_threads, "the shared default"),
+    }
+    for name, (value, meaning) in zero_means.items():
+        if value < 0:
+            raise UsageError(f"--{name}={value} must be 0 ({meaning}) or positive")
+    if config.data.image_size is not None and config.data.image_size < 1:
+        raise UsageError(
+            f"--image_size={config.data.image_size} must be a positive number of pixels, e.g. 32"
+        )
+    if config.optimization.reference_batch_size < 1:
+        raise UsageError(
+            f"--reference_batch_size={config.optimization.reference_batch_size} must be positive, e.g. 256"
+        )
+    if not 0 < config.distribution.startup_timeout < math.inf:  # also refuses NaN
+        raise UsageError(
+            f"--startup_timeout={config.distribution.startup_timeout} must be a positive number of seconds, e.g. 120"
+        )
+    if not 0 <= config.detection.score_threshold <= 1:
+        raise UsageError(
+            f"--score_threshold={config.detection.score_threshold} must be a score from 0 to 1, e.g. 0.05"
+        )
+    if config.detection.max_detections < 1:
+        raise UsageError(
+            f"--max_detections={config.detection.max_detections} must be a positive number of boxes, e.g. 100"
+        )
+    if not 0 <= config.seed < 2**32:  # Keras' and NumPy's seeds are 32-bit
+        raise UsageError(f"--seed={config.seed} must be from 0 to 2**32 - 1, e.g. 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything decided from the config before any file is written."""
@@ -88,19 +126,7 @@ def make_plan(config: TrainConfig, task: Task) -> Plan:
         keep_checkpoints=config.checkpointing.keep_checkpoints,
         log_every=config.checkpointing.log_every,
     )
-    threads = {
-        "intra_op_threads": config.distribution.intra_op_threads,
-        "inter_op_threads": config.distribution.inter_op_threads,
-        "data_threads": config.data.data_threads,
-    }
-    for name, value in threads.items():
-        if value < 0:
-            raise UsageError(f"--{name}={value} must be 0 (TensorFlow's default) or positive")
-    if config.distribution.cpu_replicas < 0:
-        raise UsageError(
-            f"--cpu_replicas={config.distribution.cpu_replicas} must be 0 (no split) or a positive "
-            "number of logical CPU devices"
-        )
+    _check_ranges(config)
     if config.model not in task.models:
         raise unknown(task.model_kind, config.model, task.models)
     # Thread pools and logical CPU devices can only be set before TensorFlow initialises its runtime.
