@@ -1,6 +1,6 @@
 """How every app runs: absl flags, a quiet start, and user errors as one line instead of a traceback.
 
-    from apps import cli          # first: it imports TensorFlow with its start-up lines held back
+    from apps import cli          # first: TensorFlow's C++ start-up lines are held back from here
     ...
     if __name__ == "__main__":
         cli.run(main)
@@ -14,7 +14,7 @@ the message says the command that resumes), 130 interrupted before training star
 
 from __future__ import annotations
 
-import importlib
+import atexit
 import logging
 import os
 import sys
@@ -31,39 +31,51 @@ EXIT_INTERRUPTED = 130  # the shell's 128 + SIGINT
 HELP_ARGUMENTS = ("--help", "-h", "-?", "--helpshort")
 
 
-def _import_tensorflow_quietly() -> bytes:
-    """Imports TensorFlow and probes for GPUs with file descriptor 2 redirected; returns what
-    its C++ runtime printed there.
+class _HeldBackStart:
+    """Holds back what is written to file descriptor 2 while an app imports its modules.
 
-    Those lines (oneDNN's notice, "Could not find cuda drivers", and on a CPU-only host
-    `E0000 ... failed call to cuInit: ... UNKNOWN ERROR (303)`) are written before absl's C++
-    logging starts, so TF_CPP_MIN_LOG_LEVEL cannot hide them, and a new user reads the E line
-    as a failure. `run` shows them again under --verbosity; an import that fails shows them at once.
+    TensorFlow's C++ runtime prints its start-up lines there (oneDNN's notice, "Could not find
+    cuda drivers", and on a CPU-only host `E0000 ... failed call to cuInit: ... UNKNOWN ERROR
+    (303)`) before absl's C++ logging starts, so TF_CPP_MIN_LOG_LEVEL cannot hide them, and a
+    new user reads the E line as a failure. `release` ends the hold once the flags are parsed:
+    the lines are shown under --verbosity, dropped otherwise. A start that dies before that
+    (a broken install) shows everything at exit, its traceback included.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's later C++ INFO/WARNING lines
-    if "tensorflow" in sys.modules:  # imported by whoever imported this module (a test, a script)
-        return b""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        failed = True
-        try:
-            # Imported here, not at the top: the redirection must come first.
-            tensorflow = importlib.import_module("tensorflow")
-            tensorflow.config.list_physical_devices("GPU")  # CUDA's probe happens here, once
-            failed = False
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            held_back = captured.read()
-            if failed:  # a broken install: everything TensorFlow said, then the traceback
-                sys.stderr.write(held_back.decode(errors="replace"))
-    return held_back
+
+    def __init__(self):
+        self.saved, self.captured = None, None
+        # Only an app started as `python -m apps.NAME` (apps/__init__.py imports this module
+        # before the app's own imports), and only before TensorFlow is imported.
+        command = getattr(sys, "orig_argv", [])
+        started_as_app = any(
+            flag == "-m" and module.startswith("apps.") for flag, module in zip(command, command[1:])
+        )
+        if not started_as_app or "tensorflow" in sys.modules:
+            return
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's later C++ INFO/WARNING lines
+        sys.stderr.flush()
+        self.captured = tempfile.TemporaryFile()
+        self.saved = os.dup(2)
+        os.dup2(self.captured.fileno(), 2)
+        atexit.register(self.release, True)
+
+    def release(self, show: bool) -> None:
+        if self.saved is None:
+            return
+        if "tensorflow" in sys.modules:  # CUDA's probe, and its cuInit line, happen here
+            sys.modules["tensorflow"].config.list_physical_devices("GPU")
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.saved = None
+        self.captured.seek(0)
+        if show:
+            sys.stderr.write(self.captured.read().decode(errors="replace"))
+            sys.stderr.flush()
+        self.captured.close()
 
 
-_HELD_BACK = _import_tensorflow_quietly()
+_START = _HeldBackStart()
 
 
 def _print_help(argv) -> None:
@@ -84,21 +96,25 @@ def _print_help(argv) -> None:
     )
 
 
+def _fail(message: str) -> None:
+    _START.release(show=False)  # only the error line, not TensorFlow's start-up
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
 def _parse_flags(argv):
     if any(argument in HELP_ARGUMENTS for argument in argv[1:]):
+        _START.release(show=False)
         _print_help(argv)
         sys.exit(0)
     for argument in argv[1:]:
         name, _, path = argument.partition("=")
         if name in ("--flagfile", "-flagfile") and not os.path.isfile(os.path.expanduser(path)):
-            print(f"error: --flagfile={path}: no such file; give the path of a flags file", file=sys.stderr)
-            sys.exit(EXIT_USAGE)
+            _fail(f"--flagfile={path}: no such file; give the path of a flags file")
     try:
         return FLAGS(argv)
     except flags.Error as error:
-        message = str(error).removeprefix("ERROR::").strip().replace("\n", " ")
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        _fail(str(error).removeprefix("ERROR::").strip().replace("\n", " "))
 
 
 def _quiet_tensorflow() -> None:
@@ -106,8 +122,8 @@ def _quiet_tensorflow() -> None:
     # through absl, e.g. functional_saver's "Sharding callback duration"), and tf.data warns
     # about reading options inside tf.function, which tfmp's eval loop does by design. An app
     # shows tfmp's own lines; --verbosity=0 (absl's flag) brings the INFO lines back.
+    _START.release(show=FLAGS["verbosity"].present)
     if FLAGS["verbosity"].present:
-        sys.stderr.write(_HELD_BACK.decode(errors="replace"))
         return
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("tensorflow").setLevel(logging.WARNING)

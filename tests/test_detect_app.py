@@ -173,15 +173,6 @@ def bad_input_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_help_names_the_detectors_and_detection_datasets():
-    """--model and --dataset are shared with the classifiers; apps.detect's help names its own."""
-    result = run_python(["-m", "apps.detect", "--helpfull"])  # absl's help exits 1
-    text = " ".join(result.stdout.split())
-    assert "--model: Detector: retinanet_tiny," in text and "faster_rcnn_tiny" in text
-    assert "--dataset: Detection dataset: shapes | coco:<path>" in text and "seed_cnn" not in text
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[message for _, message in BAD_INPUT])
 def test_bad_input_is_one_line_exit_2(bad_input_runs, case):
     message = BAD_INPUT[case][1]

@@ -1,0 +1,301 @@
+"""Every bad input is refused before work starts: one `error:` line naming the value, exit 2,
+no traceback, nothing written (the README's promise), across the apps, the launcher and the API.
+
+The app cases run through tests/bad_input_runner.py: one process per app imports it once and
+forks a child per case, so each case sees fresh flags and a fresh TensorFlow runtime for a
+fraction of a process start. Placeholders in the arguments: FIXTURES (files this module writes:
+a corrupt image folder, broken COCO files, a fake run, ...), HOME (the cases' home directory).
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import ROOT, finish, start_python
+from PIL import Image
+
+import tfmp
+from tfmp import optim, run_dir
+from tfmp.distribute import strategies as distribute
+from tfmp.errors import UsageError
+
+TF_CONFIG_INDEX_3 = '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}'
+
+# (app, arguments, environment, what the one `error:` line must contain)
+APP_CASES = [
+    # Names and choices.
+    ("classify", ["--model=resnet9"], {}, "unknown model 'resnet9'; choose one of:"),
+    ("classify", ["--dataset=imagenet"], {}, "imagenet"),
+    ("classify", ["--precision=float8"], {}, "float8"),
+    ("classify", ["--optimizer=adagrad"], {}, "unknown optimizer 'adagrad'"),
+    ("classify", ["--lr_decay=step"], {}, "unknown learning-rate decay 'step'"),
+    ("classify", ["--lr_scaling=cubic"], {}, "cubic"),
+    ("classify", ["--xla=maybe"], {}, "unknown --xla value 'maybe'"),
+    ("classify", ["--strategy=tpu"], {}, "unknown strategy 'tpu'"),
+    ("classify", ["--prune_sparsity=0.5", "--prune_schedule=cubic"], {}, "cubic"),
+    ("classify", ["--no_such_flag=1"], {}, "no_such_flag"),
+    ("classify", ["oops"], {}, "unexpected arguments ['oops']"),
+    ("classify", ["--steps=abc"], {}, "--steps=abc"),
+    ("classify", ["--flagfile=/no/such/flags.cfg"], {}, "--flagfile=/no/such/flags.cfg: no such file"),
+    # Impossible combinations.
+    ("classify", ["--mixed", "--precision=float32"], {}, "--mixed conflicts with --precision=float32"),
+    ("classify", ["--loss_scale=1024"], {}, "--loss_scale"),
+    ("classify", ["--loss_scale=banana", "--precision=mixed_float16"], {}, "--loss_scale='banana'"),
+    (
+        "classify",
+        ["--strategy=mirrored", "--cpu_replicas=3", "--global_batch_size=64"],
+        {},
+        "global batch 64 is not divisible by 3 replicas",
+    ),
+    (
+        "classify",
+        ["--pipeline_stages=2", "--strategy=mirrored"],
+        {},
+        "--pipeline_stages=2 with --strategy=mirrored",
+    ),
+    ("classify", ["--pipeline_stages=2", "--micro_batches=0"], {}, "--micro_batches=0"),
+    ("classify", [], {"TF_CONFIG": TF_CONFIG_INDEX_3}, "TF_CONFIG task index 3 is out of range for 1 worker"),
+    ("classify", [], {"TF_CONFIG": '{"cluster": '}, "TF_CONFIG"),
+    ("classify", ["--strategy=mirrored"], {"TF_CONFIG": TF_CONFIG_INDEX_3}, "TF_CONFIG"),
+    # Numbers out of range (NaN and infinity included).
+    ("classify", ["--cpu_replicas=1000"], {}, "--cpu_replicas=1000 is more than"),
+    ("classify", ["--cpu_replicas=-1"], {}, "--cpu_replicas=-1 must be 0"),
+    ("classify", ["--learning_rate=inf"], {}, "learning rate inf must be a positive finite number"),
+    ("classify", ["--learning_rate=nan"], {}, "learning rate nan must be a positive finite number"),
+    ("classify", ["--learning_rate=-0.1"], {}, "learning rate -0.1 must be a positive finite number"),
+    ("classify", ["--weight_decay=-1"], {}, "weight decay -1.0 must be 0"),
+    ("classify", ["--weight_decay=nan"], {}, "weight decay nan must be 0"),
+    ("classify", ["--checkpoint_every=-5"], {}, "--checkpoint_every=-5 must be 0"),
+    ("classify", ["--steps_per_epoch=-1"], {}, "--steps_per_epoch=-1 must be 0"),
+    ("classify", ["--startup_timeout=-1"], {}, "--startup_timeout=-1.0 must be a positive number of seconds"),
+    ("classify", ["--startup_timeout=nan"], {}, "--startup_timeout=nan must be a positive number of seconds"),
+    ("classify", ["--global_batch_size=0"], {}, "--global_batch_size=0 must be positive"),
+    ("classify", ["--steps=-3"], {}, "--steps=-3 must be positive"),
+    ("classify", ["--epochs=0"], {}, "--epochs=0 must be positive"),
+    ("classify", ["--keep_checkpoints=0"], {}, "--keep_checkpoints=0 must be positive"),
+    ("classify", ["--log_every=0"], {}, "--log_every=0 must be positive"),
+    ("classify", ["--steps_per_execution=0"], {}, "--steps_per_execution=0 must be positive"),
+    ("classify", ["--warmup_steps=-1"], {}, "--warmup_steps=-1 must be 0"),
+    ("classify", ["--seed=-1"], {}, "--seed=-1 must be from 0 to 2**32 - 1"),
+    ("classify", ["--image_size=0"], {}, "--image_size=0 must be a positive number of pixels"),
+    ("classify", ["--reference_batch_size=0"], {}, "--reference_batch_size=0 must be positive"),
+    ("classify", ["--intra_op_threads=-1"], {}, "--intra_op_threads=-1 must be 0"),
+    ("classify", ["--prune_sparsity=1.5"], {}, "prune sparsity 1.5 must be in [0, 1)"),
+    ("classify", ["--pipeline_stages=-1"], {}, "--pipeline_stages=-1 must be 0"),
+    ("classify", ["--diagnose_precision", "--diagnose_steps=0"], {}, "--diagnose_steps=0"),
+    # Paths and data.
+    ("classify", ["--model_dir=FIXTURES/a_file"], {}, "is a file"),
+    ("classify", ["--model_dir=/proc/tfmp-run"], {}, "--model_dir=/proc/tfmp-run: cannot write in /proc"),
+    ("classify", ["--dataset=folder:FIXTURES/missing"], {}, "does not exist"),
+    ("classify", ["--dataset=folder:FIXTURES/corrupt_folder"], {}, "bad.jpg"),
+    ("classify", ["--dataset=tfds:mnist", "--data_dir=FIXTURES/empty"], {}, "mnist"),
+    ("mnist", ["--model=nope"], {}, "unknown model 'nope'"),
+    ("mnist", ["--strategy=mirrored", "--cpu_replicas=3", "--global_batch_size=100"], {}, "global batch 100"),
+    # Detection.
+    ("detect", ["--model=yolo9"], {}, "unknown detector 'yolo9'; choose one of: faster_rcnn_resnet50_fpn,"),
+    (
+        "detect",
+        ["--predict=FIXTURES/a.png", "--model_dir=FIXTURES/missing"],
+        {},
+        "is not a tfmp run directory",
+    ),
+    ("detect", ["--dataset=coco:/nonexistent"], {}, "COCO dataset path '/nonexistent' does not exist"),
+    ("detect", ["--dataset=coco:FIXTURES/coco_no_file_name.json"], {}, "file_name"),
+    ("detect", ["--dataset=coco:FIXTURES/coco_images_not_a_list.json"], {}, "images"),
+    ("detect", ["--max_detections=-1"], {}, "--max_detections=-1 must be a positive number of boxes"),
+    ("detect", ["--score_threshold=1.5"], {}, "--score_threshold=1.5 must be a score from 0 to 1"),
+    ("detect", ["--rcnn_class_loss=hinge"], {}, "rcnn_class_loss"),
+    ("detect", ["--model_dir=~/run", "--steps=nan"], {}, "--steps=nan"),
+    # Export and predict.
+    ("export", [], {}, "--model_dir is required"),
+    ("export", ["--model_dir=FIXTURES/missing"], {}, "does not exist"),
+    ("export", ["--model_dir=FIXTURES/a_file"], {}, "is not a directory"),
+    ("export", ["--model_dir=FIXTURES/run", "--precision=float8"], {}, "float8"),
+    ("export", ["--model_dir=FIXTURES/run", "--formats=onnx"], {}, "onnx"),
+    ("export", ["--model_dir=FIXTURES/run", "--output_dir=/proc/tfmp-export"], {}, "cannot write in /proc"),
+    ("export", ["--model_dir=FIXTURES/run", "--output_dir=FIXTURES/a_file"], {}, "is a file"),
+    ("export", ["--model_dir=FIXTURES/run", "--eval_batches=0"], {}, "eval_batches=0"),
+    ("export", ["--model_dir=FIXTURES/broken_run"], {}, "is not a complete .keras file"),
+    ("predict", ["FIXTURES/a.png"], {}, "--model is required"),
+    ("predict", ["--model=FIXTURES/run"], {}, "no images given"),
+    (
+        "predict",
+        ["--model=FIXTURES/missing", "FIXTURES/a.png"],
+        {},
+        "--model=FIXTURES/missing does not exist",
+    ),
+    ("predict", ["--model=FIXTURES/run", "--batch_size=0", "FIXTURES/a.png"], {}, "--batch_size=0 must be"),
+    ("predict", ["--model=FIXTURES/run", "--batch_size=-1", "FIXTURES/a.png"], {}, "--batch_size=-1 must be"),
+    ("predict", ["--model=FIXTURES/run", "--top_k=0", "FIXTURES/a.png"], {}, "--top_k=0 must be >= 1"),
+    ("predict", ["--model=FIXTURES/run", "FIXTURES/"], {}, "is a directory"),
+    ("predict", ["--model=FIXTURES/run", "FIXTURES/missing.png"], {}, "FIXTURES/missing.png': no such file"),
+    ("predict", ["--model=FIXTURES/run", "FIXTURES/a_file"], {}, "not a decodable image"),
+    ("predict", ["--model=FIXTURES/truncated.keras", "FIXTURES/a.png"], {}, "is not a complete .keras file"),
+    (
+        "predict",
+        ["--model=FIXTURES/run", "--score_threshold=2", "FIXTURES/a.png"],
+        {},
+        "--score_threshold=2.0",
+    ),
+    # The bench (checks that need no TensorFlow cell process).
+    ("bench", ["--min_repeat_seconds=nan"], {}, "--min_repeat_seconds=nan must be a positive number"),
+    ("bench", ["--replicas=0"], {}, "--replicas value 0 must be >= 1"),
+    ("bench", ["--repeats=0"], {}, "--repeats=0 must be >= 1"),
+    ("bench", ["--xla=maybe"], {}, "--xla value 'maybe' must be off or on"),
+    ("bench", ["--output_dir=FIXTURES/a_file"], {}, "--output_dir=FIXTURES/a_file is a file"),
+    ("bench", ["--mode=train", "--data=imagenet"], {}, "imagenet"),
+]
+
+# python -m tfmp.launch ARGS: (arguments, environment, the error line's text)
+LAUNCH_CASES = [
+    (["--workers=-1", "--", "python", "-c", "pass"], {}, "--workers=-1 must be >= 0"),
+    (["--workers=2", "--", "/no/such/command"], {}, "worker command '/no/such/command' is not an executable"),
+    (["--workers=2", "--devices_per_worker=0", "--", "python"], {}, "--devices_per_worker=0 must be >= 1"),
+    (["--workers=2", "--startup_timeout=-5", "--", "python"], {}, "--startup_timeout=-5 must be >= 1"),
+    (["--workers=2", "--max_restarts=-1", "--", "python"], {}, "--max_restarts=-1 must be >= 0"),
+    (["--workers=2"], {}, "give the worker command after --"),
+    (["--workers=2", "--"], {}, "the worker command after -- is empty"),
+    (["--workers=x", "--", "python"], {}, "argument --workers: invalid int value: 'x'"),
+    (["--workers=2", "--hosts=a:1", "--", "python"], {}, "--workers starts local workers"),
+    (["--hosts=a:1,b:2", "--task_index=5", "--", "python"], {}, "--task_index=5 is out of range for 2 hosts"),
+    (["--hosts=a:1,b:2", "--", "python"], {}, "--hosts needs --task_index"),
+    (["--", "python"], {"TF_CONFIG": ""}, "nothing to launch"),
+    (["--", "python"], {"TF_CONFIG": '{"cluster": '}, "TF_CONFIG"),
+]
+
+
+def _write_fixtures(fixtures) -> None:
+    """The files the cases point at: written once, and checked unchanged after every case."""
+    fixtures.mkdir(parents=True)
+    (fixtures / "a_file").write_text("not a directory, not an image\n")
+    (fixtures / "empty").mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray((rng.random((16, 16, 3)) * 255).astype(np.uint8)).save(fixtures / "a.png")
+    for name in ("circle", "square"):  # every 10th file of a class is held out for eval
+        (fixtures / "corrupt_folder" / name).mkdir(parents=True)
+        for index in range(10):
+            Image.fromarray((rng.random((8, 8, 3)) * 255).astype(np.uint8)).save(
+                fixtures / "corrupt_folder" / name / f"{index}.png"
+            )
+    (fixtures / "corrupt_folder" / "square" / "bad.jpg").write_text("<html>404</html>")
+    categories = [{"id": 1, "name": "thing"}]
+    coco = {"no_file_name": {"images": [{"id": 1, "width": 8, "height": 8}], "annotations": []}}
+    coco["images_not_a_list"] = {"images": {"id": 1}, "annotations": []}
+    for name, content in coco.items():
+        (fixtures / f"coco_{name}.json").write_text(json.dumps({**content, "categories": categories}))
+    # A finished run of a tiny classifier, and one whose model.keras was cut short.
+    images = keras.Input((16, 16, 3))
+    model = keras.Model(images, keras.layers.Dense(3, "softmax")(keras.layers.Flatten()(images)))
+    for run in ("run", "broken_run"):
+        (fixtures / run).mkdir()
+        (fixtures / run / run_dir.FLAGS_FILE).write_text(
+            "--model=seed_cnn\n--dataset=shapes\n--image_size=16\n"
+        )
+        model.save(fixtures / run / run_dir.MODEL_FILE)
+    whole = (fixtures / "run" / run_dir.MODEL_FILE).read_bytes()
+    (fixtures / "broken_run" / run_dir.MODEL_FILE).write_bytes(whole[: len(whole) // 2])
+    (fixtures / "truncated.keras").write_bytes(whole[: len(whole) // 2])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every app case (one runner process per app) and every launcher case, started at once."""
+    base = tmp_path_factory.mktemp("bad_inputs")
+    tree, logs = base / "tree", base / "logs"
+    fixtures, home = tree / "fixtures", tree / "home"
+    _write_fixtures(fixtures)
+    home.mkdir()
+    logs.mkdir()
+    by_app, started = {}, []
+    for index, (app, args, env, _) in enumerate(APP_CASES):
+        args = [arg.replace("FIXTURES", str(fixtures)) for arg in args]
+        by_app.setdefault(app, []).append((index, {"args": args, "env": {"HOME": str(home), **env}}))
+    for app, cases in by_app.items():
+        spec = {"app": app, "tree": str(tree / app), "logs": str(logs), "cases": [case for _, case in cases]}
+        (tree / app).mkdir()
+        (base / f"{app}.json").write_text(json.dumps(spec))
+        runner = start_python(
+            [
+                os.path.join(ROOT, "tests", "bad_input_runner.py"),
+                str(base / f"{app}.json"),
+                str(base / f"{app}.results.json"),
+            ]
+        )
+        started.append((app, cases, runner))
+    launched = [start_python(["-m", "tfmp.launch", *args], env=env) for args, env, _ in LAUNCH_CASES]
+    results = {}
+    for app, cases, runner in started:
+        finished = finish(runner)
+        assert finished.returncode == 0, finished.stderr[-3000:]
+        found = json.loads((base / f"{app}.results.json").read_text())
+        results.update({index: result for (index, _), result in zip(cases, found)})
+    launches = [finish(process) for process in launched]
+    return results, launches, str(fixtures)
+
+
+def _assert_one_error_line(returncode, stderr, message):
+    assert returncode == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    range(len(APP_CASES)),
+    ids=[f"{app}:{' '.join(args) or 'no flags'}" for app, args, *_ in APP_CASES],
+)
+def test_app_refuses_with_one_line_and_writes_nothing(runs, case):
+    results, _, fixtures = runs
+    result = results[case]
+    message = APP_CASES[case][3].replace("FIXTURES", fixtures)
+    _assert_one_error_line(result["returncode"], result["stderr"], message)
+    assert not result["written"], result["written"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(LAUNCH_CASES)), ids=[" ".join(args) for args, *_ in LAUNCH_CASES])
+def test_launcher_refuses_with_one_line(runs, case):
+    _, launches, _ = runs
+    result = launches[case]
+    _assert_one_error_line(result.returncode, result.stderr, LAUNCH_CASES[case][2])
+    assert "[launch]" not in result.stdout  # no worker was started
+
+
+# The Python API: a UsageError naming the value, raised before anything is written.
+def _tiny_model(classes=3):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(classes)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _tiny_data(labels):
+    features = np.zeros((len(labels), 4), np.float32)
+    return tf.data.Dataset.from_tensor_slices((features, np.asarray(labels))).batch(2)
+
+
+API_CASES = [
+    (lambda tmp: distribute.get_strategy("tpu"), "unknown strategy 'tpu'"),
+    (lambda tmp: optim.schedule(float("inf"), 10), "learning rate inf"),
+    (lambda tmp: optim.build("adam", 1e-3, float("nan")), "weight decay nan"),
+    (lambda tmp: run_dir.writable_dir(str(tmp / "a_file")), "is a file"),
+    (lambda tmp: run_dir.read_flags(str(tmp), required=True), "is not a tfmp run directory"),
+    (lambda tmp: run_dir.check_keras_file(str(tmp / "a_file")), "is not a complete .keras file"),
+    (lambda tmp: tfmp.fit(_tiny_model(), _tiny_data([0, 1]), model_dir=str(tmp / "a_file")), "a_file"),
+    (lambda tmp: tfmp.fit(_tiny_model(), _tiny_data([0, 7]), model_dir=str(tmp / "run")), "7"),
+    (lambda tmp: tfmp.fit(_tiny_model(), _tiny_data([0, 1]), epochs=0, model_dir=str(tmp / "run")), "epochs"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(API_CASES)))
+def test_api_refuses_before_writing(tmp_path, case):
+    (tmp_path / "a_file").write_text("x")
+    call, message = API_CASES[case]
+    with pytest.raises(UsageError) as raised:
+        call(tmp_path)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
