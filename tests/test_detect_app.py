@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import rounding
 import tensorflow as tf
-from conftest import finish, identical_detection_cells, run_python, start_python
+from conftest import identical_detection_cells, run_python
 from PIL import Image
 
 from tfmp import precision
@@ -150,37 +150,7 @@ def test_app_trains_mixed_and_predicts_float32_boxes_drawn_to_png(tmp_path):
     assert drawn.size == (100, 80)  # drawn on the original image
 
 
-BAD_INPUT = [
-    (
-        ["--model=yolo9"],  # both families named: RetinaNet's task alone knows only its own
-        "unknown detector 'yolo9'; choose one of: faster_rcnn_resnet50_fpn, faster_rcnn_tiny, retinanet_",
-    ),
-    (["--predict=/nonexistent/a.png", "--model_dir=MISSING"], "is not a tfmp run directory"),
-    (["--dataset=coco:/nonexistent"], "COCO dataset path '/nonexistent' does not exist"),
-]
-
-
-@pytest.fixture(scope="module")
-def bad_input_runs(tmp_path_factory):
-    """Every BAD_INPUT case started at once (each a TensorFlow start waiting on nothing else)."""
-    base = tmp_path_factory.mktemp("bad_input")
-    started = []
-    for index, (args, _) in enumerate(BAD_INPUT):
-        run = base / f"run{index}"
-        args = [arg.replace("MISSING", str(base / f"missing{index}")) for arg in args]
-        started.append((run, start_python(["-m", "apps.detect", f"--model_dir={run}", *args])))
-    return [(run, finish(process)) for run, process in started]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[message for _, message in BAD_INPUT])
-def test_bad_input_is_one_line_exit_2(bad_input_runs, case):
-    message = BAD_INPUT[case][1]
-    run, result = bad_input_runs[case]
-    assert result.returncode == 2, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and not run.exists()
+# Bad input (unknown detectors, a --predict without a run, COCO paths and files): tests/test_bad_inputs.py.
 
 
 @pytest.mark.slow
