@@ -18,6 +18,7 @@ import json
 from absl import flags
 
 from apps import cli, common
+from tfmp import run_dir
 from tfmp.detection import DEFAULTS, data, faster_rcnn, rcnn_task, retinanet
 from tfmp.detection import predict as detection_predict
 from tfmp.detection.task import TASK
@@ -68,6 +69,8 @@ def main(argv):
         if not FLAGS.model_dir:
             raise UsageError("--predict needs --model_dir=RUN, the directory of a trained apps.detect run")
         threshold = 0.3 if FLAGS.score_threshold is None else FLAGS.score_threshold
+        if FLAGS.output_dir:
+            run_dir.writable_dir(FLAGS.output_dir, "--output_dir")
         for record in detection_predict.predict_files(
             FLAGS.model_dir, FLAGS.predict, threshold, FLAGS.max_detections, FLAGS.output_dir
         ):

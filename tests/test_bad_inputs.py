@@ -106,6 +106,12 @@ APP_CASES = [
     ("detect", ["--dataset=coco:FIXTURES/coco_no_file_name.json"], {}, "file_name"),
     ("detect", ["--dataset=coco:FIXTURES/coco_images_not_a_list.json"], {}, "images"),
     ("detect", ["--max_detections=-1"], {}, "--max_detections=-1 must be a positive number of boxes"),
+    (
+        "detect",
+        ["--model_dir=FIXTURES/run", "--predict=FIXTURES/a.png", "--output_dir=FIXTURES/a_file"],
+        {},
+        "--output_dir=FIXTURES/a_file is a file",
+    ),
     ("detect", ["--score_threshold=1.5"], {}, "--score_threshold=1.5 must be a score from 0 to 1"),
     ("detect", ["--rcnn_class_loss=hinge"], {}, "rcnn_class_loss"),
     ("detect", ["--model_dir=~/run", "--steps=nan"], {}, "--steps=nan"),
