@@ -147,7 +147,8 @@ APP_CASES = [
         "--score_threshold=2.0",
     ),
     # The bench (checks that need no TensorFlow cell process).
-    ("bench", ["--min_repeat_seconds=nan"], {}, "--min_repeat_seconds=nan must be a positive number"),
+    ("bench", ["--min_repeat_seconds=nan"], {}, "--min_repeat_seconds=nan must be 0 or a positive number"),
+    ("bench", ["--peak_min_call_seconds=0"], {}, "--peak_min_call_seconds=0.0 must be a positive number"),
     ("bench", ["--replicas=0"], {}, "--replicas value 0 must be >= 1"),
     ("bench", ["--repeats=0"], {}, "--repeats=0 must be >= 1"),
     ("bench", ["--xla=maybe"], {}, "--xla value 'maybe' must be off or on"),

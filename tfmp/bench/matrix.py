@@ -118,11 +118,14 @@ def check(config: BenchConfig) -> None:
         raise UsageError(f"--peak_sizes={config.peak_sizes} needs matrix sizes >= 1, e.g. 1024,2048,4096")
     if config.warmup_executions < 1:
         raise UsageError("--warmup_executions must be >= 1: the first call traces and compiles")
-    for flag in ("min_repeat_seconds", "peak_min_call_seconds"):
-        if not 0 < getattr(config, flag) < math.inf:  # also refuses NaN
-            raise UsageError(
-                f"--{flag}={getattr(config, flag)} must be a positive number of seconds, e.g. 1.5"
-            )
+    if not 0 <= config.min_repeat_seconds < math.inf:  # also refuses NaN; 0: `executions` calls only
+        raise UsageError(
+            f"--min_repeat_seconds={config.min_repeat_seconds} must be 0 or a positive number of seconds, e.g. 1.5"
+        )
+    if not 0 < config.peak_min_call_seconds < math.inf:
+        raise UsageError(
+            f"--peak_min_call_seconds={config.peak_min_call_seconds} must be a positive number of seconds, e.g. 0.5"
+        )
     run_dir.writable_dir(config.output_dir, "--output_dir")
     for flag in ("study_image_size", "study_batch_size", "threads_rounds", "layer_profile_repeats"):
         if getattr(config, flag) < 1:
