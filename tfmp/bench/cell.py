@@ -105,6 +105,7 @@ def _time_paired(cell, strategy, model, optimizer, dataset_fn):
     real = _engine_executions(cell, strategy, engine, functools.partial(dataset_fn, synthetic=False))
     warmup = synthetic(cell["warmup_executions"])
     real(cell["warmup_executions"])
+    _start_live_peak()
     count = _executions_per_repeat(cell, warmup[-1])
     timed = {synthetic: [], real: []}
     for index in range(cell["repeats"]):
@@ -142,6 +143,7 @@ def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
         dataset, steps_per_epoch=cell["steps_per_execution"] * cell["warmup_executions"], epochs=1, verbose=0
     )
     count = _executions_per_repeat(cell, (time.perf_counter() - started) / cell["warmup_executions"])
+    _start_live_peak()
     epoch_times = []
 
     class EpochTimer(keras.callbacks.Callback):
@@ -174,6 +176,7 @@ def _timer(cell):
 
     def run(executions):
         warmup = executions(cell["warmup_executions"])
+        _start_live_peak()
         count = _executions_per_repeat(cell, warmup[-1])
         return [executions(count) for _ in range(cell["repeats"])]
 
@@ -277,22 +280,33 @@ def _peak_host_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _allocator_devices() -> list[str]:
+    """Where TensorFlow's allocators count live tensors: each GPU, or the one CPU allocator
+    (logical CPU devices share it: its figure is every replica's together)."""
+    gpus = tf.config.list_logical_devices("GPU")
+    return [f"GPU:{index}" for index in range(len(gpus))] or ["CPU:0"]
+
+
+def _start_live_peak() -> None:
+    """After the warm-up: the live peak counts the timed steps (what is allocated now, weights
+    and slots, plus what the steps add), not tracing or compiling."""
+    for device in _allocator_devices():
+        tf.config.experimental.reset_memory_stats(device)
+
+
 def _memory(before_model_mb: float) -> dict:
-    """Peak memory of this cell. On GPUs, TensorFlow allocator's peak per GPU (weights, slots,
-    activations, workspaces: what a bigger batch runs out of); on CPUs, the process's peak
-    resident memory, the TensorFlow runtime and Python included (a fresh process per cell makes
-    it this cell's alone; `host_memory_before_model_mb` is that base)."""
-    host = _peak_host_memory_mb()
-    gpus = [
-        tf.config.experimental.get_memory_info(f"GPU:{index}")["peak"] / 2**20
-        for index in range(len(tf.config.list_logical_devices("GPU")))
-    ]
+    """Peak memory of this cell's timed steps: TensorFlow allocator's peak of live tensors
+    (weights, slots, activations, workspaces: what a bigger batch runs out of), per GPU or of
+    the CPU allocator; and the process's peak resident memory, which also counts the runtime,
+    Python and pages malloc keeps after a free (`host_memory_before_model_mb` is its base)."""
+    live = [tf.config.experimental.get_memory_info(device)["peak"] / 2**20 for device in _allocator_devices()]
+    gpus = bool(tf.config.list_logical_devices("GPU"))
     return {
-        "peak_memory_mb": max(gpus) if gpus else host,
-        "peak_memory_source": "gpu" if gpus else "host",
-        "peak_host_memory_mb": host,
+        "peak_memory_mb": max(live),
+        "peak_memory_source": "gpu" if gpus else "cpu",
+        "peak_host_memory_mb": _peak_host_memory_mb(),
         "host_memory_before_model_mb": before_model_mb,
-        "peak_gpu_memory_mb": gpus,
+        "peak_gpu_memory_mb": live if gpus else [],
     }
 
 

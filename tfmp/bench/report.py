@@ -7,7 +7,7 @@
 Every ratio divides two cells of the same run: speedup vs the float32 cell, scaling efficiency
 vs the 1-replica (or 1-worker) cell, tfmp engine vs plain Keras fit, real input vs synthetic
 tensors, achieved model FLOP/s vs the matmul peak of the same precision, mixed vs float32
-peak memory (whole, and above the process's size before the model was built). The optional studies
+peak memory (the allocator's live peak, and the process's resident memory above its base). The optional studies
 add their own rows: "pipeline" (each K=2, M row of the pipeline cell: throughput relative to
 the unsplit model, bubble measured and in theory) and "threads" (`tfmp.bench.threads.rows`).
 `layer_profile_table(cell)` prints a `layer_profile` cell (`tfmp.bench.layer_profile`): per
@@ -48,7 +48,7 @@ def derive(cells: list[dict]) -> dict:
         "scaling_efficiency": [],
         "flops_fraction_of_peak": [],
         "peak_memory_vs_float32": [],
-        "training_memory_vs_float32": [],
+        "host_memory_vs_float32": [],
         "engine_vs_keras_fit": [],
         "input_vs_synthetic": [],
     }
@@ -114,14 +114,14 @@ def derive(cells: list[dict]) -> dict:
 
 
 def _memory_ratios(result: dict, float32: dict) -> dict:
-    """Mixed / float32 peak memory, whole (`peak_memory_mb`) and above the process's size
-    before the model was built (on CPUs that removes the TensorFlow runtime's share)."""
+    """Mixed / float32 peak memory: of live tensors (`peak_memory_mb`, the allocator's), and on
+    CPUs of the process's resident memory above its size before the model was built."""
     ratios = {"peak_memory_vs_float32": result["peak_memory_mb"] / float32["peak_memory_mb"]}
-    if result["peak_memory_source"] == "host":
-        above = float32["peak_memory_mb"] - float32["host_memory_before_model_mb"]
+    if result["peak_memory_source"] == "cpu":
+        above = float32["peak_host_memory_mb"] - float32["host_memory_before_model_mb"]
         if above > 0:
-            mine = result["peak_memory_mb"] - result["host_memory_before_model_mb"]
-            ratios["training_memory_vs_float32"] = mine / above
+            mine = result["peak_host_memory_mb"] - result["host_memory_before_model_mb"]
+            ratios["host_memory_vs_float32"] = mine / above
     return ratios
 
 
@@ -331,16 +331,16 @@ def layer_profile_table(cell: dict, top: int = 8) -> str:
 
 
 def _memory_lines(ratios: dict) -> list[str]:
-    above = {_label(row): row["value"] for row in ratios["training_memory_vs_float32"]}
+    host = {_label(row): row["value"] for row in ratios["host_memory_vs_float32"]}
     lines = []
     for row in ratios["peak_memory_vs_float32"]:
         extra = (
-            f" (above the process before the model: {above[_label(row)]:.2f}x)"
-            if _label(row) in above
+            f" (process resident memory above its base: {host[_label(row)]:.2f}x)"
+            if _label(row) in host
             else ""
         )
         lines.append(
-            f"peak memory {row['precision']} / float32: {row['model']} batch {row['global_batch_size']} "
+            f"live peak memory {row['precision']} / float32: {row['model']} batch {row['global_batch_size']} "
             f"{_devices(row)} xla={'on' if row['xla'] else 'off'}: {row['value']:.2f}x{extra}"
         )
     return lines

@@ -32,10 +32,12 @@ from tfmp.bench import matrix, schema
 from tfmp.bench import report as bench_report
 
 MEMORY_NOTE = (
-    "peak_memory_mb: on GPUs TensorFlow's allocator peak (tf.config.experimental.get_memory_info "
-    "'peak', the largest GPU of the cell); on CPUs the cell process's peak resident memory "
-    "(getrusage ru_maxrss), which includes the TensorFlow runtime and Python: "
-    "host_memory_before_model_mb is that base. Multi-worker cells report worker 0."
+    "peak_memory_mb: TensorFlow's allocator peak of live tensors during the timed steps "
+    "(tf.config.experimental.get_memory_info 'peak' after reset_memory_stats at the end of the "
+    "warm-up): the largest GPU of the cell, or the CPU allocator, which logical CPU replicas share. "
+    "peak_host_memory_mb: the process's peak resident memory (getrusage ru_maxrss), which also "
+    "counts the TensorFlow runtime, Python and freed pages malloc keeps; host_memory_before_model_mb "
+    "is its base. Multi-worker cells report worker 0."
 )
 
 

@@ -11,7 +11,7 @@ Types: "number" (int or float), "integer", "string", "boolean", "list", "object"
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: peak_memory_mb is the allocator peak on CPUs too; host_memory_vs_float32
 
 REPORT = {
     "schema_version": "integer",
@@ -100,7 +100,7 @@ RATIOS = {
     "scaling_efficiency": _DEVICE_LABEL,
     "flops_fraction_of_peak": _DEVICE_LABEL,
     "peak_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
-    "training_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
+    "host_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
     "engine_vs_keras_fit": _REFERENCE_LABEL,
     "input_vs_synthetic": dict(_REFERENCE_LABEL, paired="boolean"),
     "pipeline": {
