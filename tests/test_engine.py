@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfmp import models, precision
 from tfmp.classification.task import compile_classifier
+from tfmp.errors import UsageError
 from tfmp.training.engine import Engine
 
 GLOBAL_BATCH = 16
@@ -116,6 +117,45 @@ def test_fit_with_tfmp_loss_scaler_also_skips_replica_1_overflow(mirrored):
         for copy in variable:
             np.testing.assert_array_equal(copy, start)
     assert precision.current_loss_scale(optimizer) == 512.0
+
+
+def test_fixed_loss_scale_scales_the_gradients_not_the_update():
+    """A fixed --loss_scale survives the task's compile: the step's gradients are those of the
+    scaled loss (scale x the unscaled ones) and the applied update is the unscaled one."""
+    strategy = tf.distribute.get_strategy()
+    images, labels = _data()
+    batch = (tf.constant(images[:GLOBAL_BATCH]), tf.constant(labels[:GLOBAL_BATCH]), None)
+    runs = {}
+    for scale in (None, 1024.0):  # None: mixed_float16 without loss scaling
+        engine = _engine(strategy, "mixed_float16", loss_scale=scale)
+        assert engine.model.optimizer is engine.optimizer  # compile did not wrap it
+        gradients = [g.numpy() for g in engine._forward_backward(*batch)[2]]
+        before = _weights(engine.model)
+        engine.train(iter(_distributed(strategy, images, labels)), 1)
+        updates = [after - start for after, start in zip(_weights(engine.model), before)]
+        runs[scale] = gradients, updates
+    assert precision.loss_scale_mode(engine.optimizer) == "fixed 1024"
+    # Multiplying by a power of two is exact in float16 and float32: the two differ only where
+    # unscaled float16 gradients are subnormal (what loss scaling is for). Measured: <= 1.3 eps
+    # of each tensor's largest value; allowed: 4 float16 epsilons of it.
+    tolerance = 4 * precision.EPSILON["float16"]
+    (unscaled, plain_updates), (scaled, scaled_updates) = runs[None], runs[1024.0]
+    for plain, times_1024 in zip(unscaled, scaled):
+        np.testing.assert_allclose(times_1024 / 1024.0, plain, rtol=0, atol=tolerance * np.abs(plain).max())
+    for plain, update in zip(plain_updates, scaled_updates):
+        np.testing.assert_allclose(update, plain, rtol=0, atol=tolerance * np.abs(plain).max())
+
+
+def test_engine_refuses_an_optimizer_that_compile_wrapped():
+    """Keras' compile wraps a mixed_float16 model's plain optimizer and clears its fixed scale."""
+    with tf.distribute.get_strategy().scope():
+        model = models.build("mnist_mlp", SHAPE, 10, dtype="mixed_float16")
+        optimizer = keras.optimizers.SGD(0.05, loss_scale_factor=1024.0)
+        model.compile(optimizer, "sparse_categorical_crossentropy")
+    assert optimizer.loss_scale_factor is None  # what Keras' LossScaleOptimizer did to it
+    wrapped = r"^model.compile wrapped the SGD optimizer in Keras' dynamic LossScaleOptimizer .*auto_scale_loss=False"
+    with pytest.raises(UsageError, match=wrapped):
+        Engine(tf.distribute.get_strategy(), model, optimizer)
 
 
 def test_float32_overflow_is_counted_for_the_stop_decision(mirrored):

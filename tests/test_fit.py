@@ -12,7 +12,7 @@ from fit_worker import GLOBAL_BATCH, StepLosses, compile_tutorial, tutorial_data
 
 import tfmp
 from tfmp import precision, pruning
-from tfmp.errors import UsageError
+from tfmp.errors import TrainingDiverged, UsageError
 
 
 def _tutorial(strategy=None):
@@ -228,6 +228,101 @@ def test_bad_input_is_one_line_and_writes_nothing(mirrored, tmp_path):
             call()
         assert "\n" not in str(error.value)
         assert not model_dir.exists()
+
+
+def test_labels_validation_data_and_model_dir_are_checked_before_anything_is_written(tmp_path):
+    images, labels = tutorial_data(32)
+    model_dir = tmp_path / "run"
+    out_of_range, negative = labels.copy(), labels.copy()
+    out_of_range[[3, 5]] = 12
+    negative[3] = -1
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+
+    def fit(*data, model=None, model_dir=str(model_dir), **options):
+        options.setdefault("batch_size", 16)
+        return tfmp.fit(model or _tutorial(), *data, model_dir=model_dir, verbose=0, **options)
+
+    binary = keras.Sequential([keras.Input((12, 12, 1)), keras.layers.Flatten(), keras.layers.Dense(1)])
+    binary.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
+    x, y, _ = _two_output_data()
+    y["kind"][0] = 3
+    cases = [
+        (
+            lambda: fit(images, out_of_range),
+            r"^training data: label 12 \(2 of 32 checked\) is out of range for the 10-unit output of model "
+            r"'sequential\w*': sparse_categorical_crossentropy takes class ids 0..9; fix the labels, or give "
+            r"the output 13 units$",
+        ),
+        (
+            lambda: fit(_dataset(images, out_of_range), batch_size=None),  # a dataset: its first batch
+            r"^training data: label 12 \(2 of 16 checked\) is out of range",
+        ),
+        (
+            lambda: fit(images, negative),
+            r"label -1 \(1 of 32 checked\) is negative: .* ignore_class=-1 to the loss",
+        ),
+        (lambda: fit(images, labels.astype(str)), r"training data: the labels are strings; .*StringLookup"),
+        (
+            lambda: fit(images, labels, model=binary),
+            r"label [2-9] .* is outside \[0, 1\]: binary_crossentropy",
+        ),
+        (
+            lambda: fit(x, y, model=_two_output_model(tf.distribute.get_strategy())),
+            r"label 3 for output 'kind' \(1 of 64 checked\) is out of range for the 3-unit output",
+        ),
+        (lambda: fit(images, labels, validation_data=(images, out_of_range)), r"^validation data: label 12 "),
+        (
+            lambda: fit(images, labels, validation_data=(images[:, :9, :9], labels)),
+            r"^validation_data do not fit model .*\(\(None, 9, 9, 1\), \(None,\)\) vs training "
+            r"\(\(None, 12, 12, 1\), \(None,\)\): give validation_data the training data's shapes$",
+        ),
+        (
+            lambda: fit(images, labels, model_dir=str(a_file)),
+            r"^model_dir=\S*a_file is a file, not a directory",
+        ),
+        (
+            lambda: fit(images, labels, model_dir=str(a_file / "run")),
+            r"a_file is a file, not a directory; name",
+        ),
+    ]
+    for call, message in cases:
+        with pytest.raises(UsageError, match=message) as error:
+            call()
+        assert "\n" not in str(error.value)
+        assert not model_dir.exists()
+    assert a_file.read_text() == "" and [path.name for path in tmp_path.iterdir()] == ["a_file"]
+    # Validation labels shaped (N, 1) and int32 are not the training data's spec, but they fit.
+    history = fit(
+        images, labels, validation_data=(images, labels.reshape(-1, 1).astype(np.int32)), model_dir=None
+    )
+    assert np.isfinite(history.history["val_loss"][0])
+
+
+def _fixed_scale_tutorial(scale):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = tutorial_model()
+    # auto_scale_loss=False: Keras' compile would wrap the optimizer and clear its fixed scale.
+    model.compile(
+        keras.optimizers.SGD(0.05, loss_scale_factor=scale),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        auto_scale_loss=False,
+    )
+    return model
+
+
+def test_fixed_loss_scale_is_shown_recorded_and_its_overflow_stops_the_run(tmp_path):
+    images, labels = tutorial_data(32)
+    model = _fixed_scale_tutorial(1024.0)
+    tfmp.fit(model, images, labels, batch_size=16, verbose=0, model_dir=str(tmp_path))
+    card = json.load(open(tmp_path / "run_card.json"))
+    assert card["loss scale"] == "fixed 1024, now 1024" and "tfmp changed" not in card
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [record["loss_scale"] for record in records if record["split"] == "train"] == [1024.0]
+    # 1e30 fits float32 but overflows the float16 gradients; a fixed scale skips no step.
+    with pytest.raises(TrainingDiverged, match=r"at step 1 .*\(loss scale: fixed 1e\+30\)"):
+        tfmp.fit(_fixed_scale_tutorial(1e30), images, labels, batch_size=16, verbose=0)
 
 
 def _fit_in_scope(strategy, model, images, labels, model_dir):

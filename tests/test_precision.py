@@ -57,9 +57,22 @@ def test_loss_scale_parsing():
     assert precision.parse_loss_scale("dynamic") == "dynamic"
     assert precision.parse_loss_scale("none") is None
     assert precision.parse_loss_scale("1024") == 1024.0
+    # Above float16's 65504 is a valid scale (the scaled loss is float32; dynamic goes there too).
+    assert precision.parse_loss_scale("65536") == 65536.0
+    assert precision.parse_loss_scale("1e30") == 1e30
     for bad in ("big", "-1", "0", "inf"):
         with pytest.raises(UsageError, match="loss_scale"):
             precision.parse_loss_scale(bad)
+    # float32 cannot hold it: every scaled loss would be inf.
+    for refuse in (lambda: precision.parse_loss_scale("1e40"), lambda: _fixed(1e40)):
+        largest = r"^--loss_scale=1e\+?40 is more than float32's largest value 3.4e\+38"
+        with pytest.raises(UsageError, match=largest) as error:
+            refuse()
+        assert "\n" not in str(error.value)
+
+
+def _fixed(scale):
+    return precision.wrap_optimizer(keras.optimizers.SGD(0.1), "mixed_float16", scale)
 
 
 def test_loss_scale_only_for_float16():
@@ -118,7 +131,7 @@ def _apply_step(strategy, variable, optimizer, bad_replica):
 
 @pytest.mark.parametrize("bad_replica", [0, 1])
 def test_overflow_on_any_replica_skips_step_everywhere(mirrored, bad_replica):
-    # Plain Keras 3.15 applies inf when only replica 1 overflows (shared/repro/lso_replica_overflow.py).
+    # Plain Keras 3.15 applies inf when only replica 1 overflows (docs/examples/lso_replica_overflow.py).
     strategy, variable, optimizer = _two_replica_setup(mirrored)
     copies = _apply_step(strategy, variable, optimizer, bad_replica)
     for copy in copies:
@@ -139,3 +152,19 @@ def test_finite_steps_apply_and_grow_scale_on_schedule(mirrored):
     _apply_step(strategy, variable, optimizer, bad_replica=1)
     assert precision.current_loss_scale(optimizer) == 1024.0
     assert int(optimizer.step_counter.numpy()) == 0
+
+
+def test_float32_layers_takes_one_pattern_as_a_string():
+    """`float32_layers(model, "logits")` is the pattern "logits", not six one-letter patterns."""
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3, name="hidden", dtype="mixed_float16"),
+            keras.layers.Dense(2, name="logits", dtype="mixed_float16"),
+        ]
+    )
+    assert precision.matching_layers(model, "logits") == ["logits"]
+    copy = precision.float32_layers(model, "logits|hid.*")
+    assert [layer.dtype_policy.name for layer in copy.layers] == ["float32", "float32"]
+    with pytest.raises(UsageError, match="pattern 'logit' matches no layer"):
+        precision.float32_layers(model, "logit")

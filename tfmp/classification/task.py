@@ -25,10 +25,13 @@ def compile_classifier(
     with strategy.scope():
         # The builders end in float32 probabilities; Keras losses compute in float32 too.
         # Accuracy is a *weighted* metric so that padded eval rows (weight 0) count nowhere.
+        # The optimizer has the loss scaling the run chose (precision.wrap_optimizer); Keras'
+        # auto_scale_loss would wrap it again and clear a fixed --loss_scale.
         model.compile(
             optimizer=optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(),
             weighted_metrics=["accuracy"],
+            auto_scale_loss=False,
         )
     spec = (tf.TensorSpec((None, *model.input_shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32))
     fitting.build_for_data(model, strategy, spec)

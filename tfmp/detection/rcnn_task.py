@@ -68,7 +68,10 @@ class FasterRCNNTask(DetectionTask):
 
     def compile(self, model, optimizer, plan) -> keras.Model:
         with plan.strategy.scope():
-            model.compile(optimizer=optimizer, loss=rcnn_losses.FasterRCNNLoss(self.class_loss))
+            # auto_scale_loss=False: the optimizer has the run's loss scaling (see compile_detector).
+            model.compile(
+                optimizer=optimizer, loss=rcnn_losses.FasterRCNNLoss(self.class_loss), auto_scale_loss=False
+            )
         size = plan.info.image_size
         spec = (
             {

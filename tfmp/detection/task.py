@@ -31,9 +31,12 @@ def compile_detector(
     per-anchor labels of `num_anchors` anchors, or with a `targets.AnchorMatcher` the packed
     ground truth of `max_boxes` rows (`losses.ground_truth_labels`), matched in the step."""
     with strategy.scope():
+        # The optimizer has the run's loss scaling (precision.wrap_optimizer); Keras'
+        # auto_scale_loss would wrap it again and clear a fixed --loss_scale.
         model.compile(
             optimizer=optimizer,
             loss={"classes": losses.ClassLoss(matcher=matcher), "boxes": losses.BoxLoss(matcher=matcher)},
+            auto_scale_loss=False,
         )
     size = model.input_shape[1]
     if matcher is not None:

@@ -33,8 +33,11 @@ def layer_names(model: keras.Model) -> list[str]:
     return [layer.name for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
 
 
-def matching_layers(model: keras.Model, patterns: Iterable[str]) -> list[str]:
-    """The layer names some pattern fully matches, in graph order; every pattern must match one."""
+def matching_layers(model: keras.Model, patterns: str | Iterable[str]) -> list[str]:
+    """The layer names some pattern fully matches, in graph order; every pattern must match one.
+
+    A single string is one pattern (not one pattern per character)."""
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     names = layer_names(model)
     regexes = []
     for pattern in patterns:
@@ -108,8 +111,9 @@ def clone_with_policies(
     return clone
 
 
-def float32_layers(model: keras.Model, patterns: Iterable[str]) -> keras.Model:
-    """A copy of `model` (weights copied, not compiled) whose layers matching `patterns` compute
-    in float32; call it in the model's strategy scope and compile the copy."""
+def float32_layers(model: keras.Model, patterns: str | Iterable[str]) -> keras.Model:
+    """A copy of `model` (weights copied, not compiled) whose layers matching `patterns` (a list
+    of patterns, or one as a string) compute in float32; call it in the model's strategy scope
+    and compile the copy."""
     names = set(matching_layers(model, patterns))
     return clone_with_policies(model, lambda layer: "float32" if layer.name in names else None)

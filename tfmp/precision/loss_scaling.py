@@ -8,11 +8,19 @@ and float32 have float32's exponent range and are refused a loss scale. Dynamic 
 `LossScaleOptimizer` below, which fixes a Keras 3.15 bug: under MirroredStrategy Keras decides
 "all gradients finite" from replica 0 only, so an overflow on replica 1 writes inf into the
 weights. Here the verdict is all-reduced across every replica and worker first.
+
+A fixed scale is Keras 3's `optimizer.loss_scale_factor`: the loss is multiplied by it and the
+gradients divided by it in `optimizer.apply`; an overflowing step is applied, not skipped (tfmp's
+loop then stops the run with TrainingDiverged naming the scale). Keras' `model.compile` wraps a
+mixed_float16 model's plain optimizer in its own LossScaleOptimizer, which sets the optimizer's
+`loss_scale_factor` to None: compile with `auto_scale_loss=False` to keep a fixed scale
+(tfmp's tasks do; `check_compiled_with` refuses an engine whose optimizer lost it that way).
 """
 
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -21,6 +29,8 @@ from tfmp.precision.policy import model_compute_dtypes
 
 DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
+# The loss is scaled in float32: a larger scale is inf there, so every step would be inf.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @keras.saving.register_keras_serializable(package="tfmp")
@@ -54,9 +64,23 @@ def parse_loss_scale(loss_scale: str) -> str | float | None:
             f"--loss_scale={loss_scale!r} is neither auto, dynamic, none nor a number; "
             "use e.g. --loss_scale=dynamic or --loss_scale=1024"
         ) from None
+    return _checked_fixed_scale(value, loss_scale)
+
+
+def _checked_fixed_scale(value: float, shown) -> float:
+    """A fixed loss scale float32 can hold: positive, at most float32's largest value 3.4e38.
+
+    Scales above float16's 65504 are allowed: the scaled loss is float32, and a float16 gradient
+    overflows only when scale x gradient exceeds 65504 (dynamic scaling often runs at 2^16 and up).
+    """
     if not value > 0 or value == float("inf"):
-        raise UsageError(f"--loss_scale={loss_scale} must be a positive finite number, e.g. 1024")
-    return value
+        raise UsageError(f"--loss_scale={shown} must be a positive finite number, e.g. 1024")
+    if value > FLOAT32_MAX:
+        raise UsageError(
+            f"--loss_scale={shown} is more than float32's largest value {FLOAT32_MAX:.3g}: the loss is "
+            "scaled in float32, so every scaled loss would be inf; use e.g. --loss_scale=1024 or dynamic"
+        )
+    return float(value)
 
 
 def wrap_optimizer(
@@ -72,6 +96,8 @@ def wrap_optimizer(
     "auto" means dynamic for mixed_float16 and nothing otherwise. A fixed number uses Keras 3's
     `loss_scale_factor` (Keras 3 removed `LossScaleOptimizer(dynamic=False)`); either way the
     caller does `optimizer.scale_loss(loss)` then `optimizer.apply(grads)`, which unscales.
+    Compile the model with `auto_scale_loss=False`: Keras' compile would otherwise replace a
+    fixed scale (or none) by its own dynamic LossScaleOptimizer.
     """
     if policy != "mixed_float16":
         if loss_scale not in ("auto", None):
@@ -85,8 +111,21 @@ def wrap_optimizer(
         return optimizer
     if loss_scale in ("auto", "dynamic"):
         return LossScaleOptimizer(optimizer, initial_scale=initial_scale, dynamic_growth_steps=growth_steps)
-    optimizer.loss_scale_factor = float(loss_scale)
+    optimizer.loss_scale_factor = _checked_fixed_scale(float(loss_scale), loss_scale)
     return optimizer
+
+
+def check_compiled_with(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> None:
+    """Refuses training `model` with `optimizer` when `model.compile` wrapped that optimizer in
+    Keras' LossScaleOptimizer: the wrapper set its `loss_scale_factor` (a fixed scale) to None."""
+    wrapper = model.optimizer
+    if wrapper is not optimizer and getattr(wrapper, "inner_optimizer", None) is optimizer:
+        raise UsageError(
+            f"model.compile wrapped the {type(optimizer).__name__} optimizer in Keras' dynamic "
+            f"LossScaleOptimizer (the model's policy is {model.dtype_policy.name}), which clears a fixed "
+            "loss_scale_factor; compile with auto_scale_loss=False to train with the loss scaling the "
+            "optimizer was given"
+        )
 
 
 def loss_scale_mode(optimizer: keras.optimizers.Optimizer) -> str:
@@ -118,7 +157,9 @@ def ensure_loss_scaling(
     replica-safe `LossScaleOptimizer`, and Keras' own `LossScaleOptimizer` (which `compile`
     adds under a global mixed_float16 policy) is replaced by tfmp's with the same settings,
     because Keras' skips an overflow only when replica 0 sees it. A fixed
-    `loss_scale_factor` the user chose is kept. Returns (optimizer, note or None).
+    `loss_scale_factor` the user chose is kept; it survives `compile` only with
+    `auto_scale_loss=False` (or a model whose own policy is not mixed_float16), since Keras'
+    wrapper clears it. Returns (optimizer, note or None).
     """
     optimizer = model.optimizer
     if isinstance(optimizer, LossScaleOptimizer):

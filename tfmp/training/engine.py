@@ -23,7 +23,8 @@ does what Keras' own `train_step` does, so the numbers are Keras' numbers:
   The loss, the gradient all-reduce and the optimizer update stay outside the cluster, which is
   what makes XLA work under Mirrored and MultiWorkerMirrored alike, and lets a loss all-reduce;
 - loss scaling is `optimizer.scale_loss` then `optimizer.apply` (which unscales); with
-  `precision.LossScaleOptimizer` an overflow on any replica skips the step on all replicas;
+  `precision.LossScaleOptimizer` an overflow on any replica skips the step on all replicas; a
+  fixed `loss_scale_factor` needs `compile(auto_scale_loss=False)` (Keras' wrapper clears it);
 - `steps_per_execution` steps run in one `tf.function` call (a `tf.range` loop).
 """
 
@@ -35,6 +36,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmp import precision
 from tfmp.errors import UsageError
 
 # Status slots, summed over replicas and steps: steps with non-finite loss or gradients, and
@@ -94,6 +96,8 @@ class Engine:
         self.strategy = strategy
         self.model = model
         self.loss_tracker = _loss_tracker(model)
+        if optimizer is not None:
+            precision.check_compiled_with(model, optimizer)
         self.optimizer = optimizer or model.optimizer
         self.xla = xla
         with strategy.scope():
