@@ -1,0 +1,186 @@
+"""BatchNormalization through TensorFlow's fused kernel, in place: half precision stays half.
+
+    from tfmp.precision.fused_norm import fuse_normalization
+    result = fuse_normalization(model)      # any built keras.Model: functional, Sequential, nested
+    result.fused                            # ("resnet/conv1_bn", ...) now on the fused kernel
+    result.left_alone                       # (("resnet/head_bn", "2-D input"), ...)
+
+Why: Keras 3.15's `BatchNormalization.call` casts a float16/bfloat16 input to float32
+(keras/src/layers/normalization/batch_normalization.py:348) and normalises with separate
+element-wise ops (backend/tensorflow/nn.py:1492 `moments`, :1551 `batch_normalization`), so the
+backward pass keeps float32 copies of every normalised activation and mixed precision can hold
+more memory than float32. `FusedBatchNormV3` (oneDNN or Eigen on CPU, cuDNN on GPU, its own
+lowering under XLA) reads and writes the activation in its own dtype, keeps float32 statistics,
+and its gradient needs only the input and two per-channel vectors.
+
+What changes: each fusable layer's `call` is replaced on that instance (an instance attribute,
+never its class), so the layer objects, variables, names, weights, `get_config()` and the
+`.keras`/checkpoint files stay exactly Keras' own: a saved model loads in plain Keras (unfused,
+same outputs within rounding), and a clone or a loaded copy is unfused until fused again. The
+numbers are Keras' within the dtype's rounding: batch statistics in training (the kernel's
+Bessel-corrected variance converted back to Keras' biased one for the moving variance), moving
+statistics in inference and for a frozen layer (`trainable=False`), the same moving-average
+update, `momentum`, `epsilon`, `center`, `scale`. A call with a mask runs Keras' own `call`.
+
+Left alone, with the reason: other ranks than 4, axes other than channels-last or channels-first
+(NCHW runs in the kernel itself: on CPU it transposes internally, cuDNN takes it natively),
+`synchronized=True`, `renorm=True`, float64, subclasses that override `call`, layers not built
+yet, and on ROCm builds epsilon < 1.001e-5 (MIOpen's minimum; cuDNN >= 7.5's is 0).
+
+The route depends on (Keras 3.15.1 / TensorFlow 2.21):
+- `Operation.__call__` calling `self.call`, an ordinary attribute lookup that finds the
+  instance's before the class's (keras/src/ops/operation.py:58 and :81; `Layer.stateless_call`
+  and remat likewise, layers/layer.py:1184-1188);
+- `Layer.__init__` caching `inspect.signature(self.call)` (layers/layer.py:317): the fused call
+  has the class's exact signature `(inputs, training=None, mask=None)`;
+- `BatchNormalization`'s attributes `axis`, `epsilon`, `momentum`, `center`, `scale`,
+  `synchronized`, `renorm`, `gamma`, `beta`, `moving_mean`, `moving_variance`, `input_spec`;
+- `tf.compat.v1.nn.fused_batch_norm` (FusedBatchNormV3) returning, in training, the batch mean
+  and the variance times n / max(n - 1, 1) (fused_batch_norm_op.cc; the same under XLA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import keras
+import tensorflow as tf
+
+from tfmp.errors import UsageError
+
+FUSED_DTYPES = ("float16", "bfloat16", "float32")
+# MIOpen (ROCm) refuses epsilon below 1e-5, and a float32 1e-5 is just below that.
+ROCM_MIN_EPSILON = 1.001e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedNormalization:
+    """What `fuse_normalization` did: layer paths ("model/block/bn") fused, and left alone."""
+
+    fused: tuple[str, ...]
+    left_alone: tuple[tuple[str, str], ...]  # (path, reason)
+
+
+def fuse_normalization(model) -> FusedNormalization:
+    """Makes every BatchNormalization in `model` that the fused kernel can compute use it, in
+    place, from the next call (re-trace a `tf.function` that already traced the model).
+
+    Each layer is listed once, by the first path that reaches it; fusing twice changes nothing.
+    """
+    if not isinstance(model, keras.Model):
+        raise UsageError(
+            f"fuse_normalization takes a keras.Model, got {type(model).__name__} {model!r:.80}; "
+            "build the model first and pass the model object"
+        )
+    fused, left_alone = [], []
+    for path, layer in _batch_norms(model):
+        reason = unfusable_reason(layer)
+        if reason is not None:
+            left_alone.append((path, reason))
+            continue
+        if not is_fused(layer):
+            # A bound method in the instance's __dict__: Operation.__call__ finds it before the
+            # class's. Copies (deepcopy, clone_model, load_model) go through the config: unfused.
+            layer.call = types.MethodType(_fused_call, layer)
+        fused.append(path)
+    return FusedNormalization(tuple(fused), tuple(left_alone))
+
+
+def is_fused(layer) -> bool:
+    """Whether `layer` runs `fuse_normalization`'s fused call."""
+    call = vars(layer).get("call")
+    return getattr(call, "__func__", None) is _fused_call
+
+
+def unfusable_reason(layer) -> str | None:
+    """Why the fused kernel cannot stand in for this BatchNormalization, or None if it can."""
+    if type(layer).call is not keras.layers.BatchNormalization.call:
+        return f"{type(layer).__name__} overrides call"
+    if "call" in vars(layer) and not is_fused(layer):
+        return "its call was already replaced on the instance"
+    if layer.synchronized:
+        return "synchronized=True (cross-replica statistics)"
+    if layer.renorm:
+        return "renorm=True"
+    if not layer.built or layer.input_spec is None or layer.input_spec.ndim is None:
+        return "not built: call or build the model first"
+    if layer.input_spec.ndim != 4:
+        return f"{layer.input_spec.ndim}-D input"
+    if layer.axis % 4 not in (1, 3):
+        return f"axis {layer.axis} (the kernel normalises axis 1 or 3 of a 4-D input)"
+    if layer.compute_dtype not in FUSED_DTYPES:
+        return f"compute dtype {layer.compute_dtype}"
+    if tf.test.is_built_with_rocm() and layer.epsilon < ROCM_MIN_EPSILON:
+        return f"epsilon {layer.epsilon:g} below ROCm's fused minimum {ROCM_MIN_EPSILON:g}"
+    return None
+
+
+def _batch_norms(layer, path=None, seen=None):
+    """(path, layer) for each distinct BatchNormalization reachable from `layer`, in order."""
+    path, seen = path or layer.name, seen or {id(layer)}
+    for child in _sublayers(layer):
+        if id(child) in seen:
+            continue
+        seen.add(id(child))
+        child_path = f"{path}/{child.name}"
+        if isinstance(child, keras.layers.BatchNormalization):
+            yield child_path, child
+        yield from _batch_norms(child, child_path, seen)
+
+
+def _sublayers(layer) -> list:
+    """A model's `layers`; for any other layer, the layers its attributes hold (a block's
+    `self.bn`, a wrapper's `self.layer`, lists and dicts of them): Keras has no public
+    sub-layer list for plain layers."""
+    if isinstance(layer, keras.Model):
+        return list(layer.layers)
+    found = []
+    for value in vars(layer).values():
+        if isinstance(value, dict):
+            value = list(value.values())
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, keras.layers.Layer):
+                found.append(item)
+    return found
+
+
+def _float32(variable) -> tf.Tensor:
+    return tf.cast(variable.value, tf.float32)
+
+
+def _fused_call(self, inputs, training=None, mask=None):
+    """`BatchNormalization.call` (same signature and semantics) on FusedBatchNormV3."""
+    if mask is not None or inputs.dtype.name not in FUSED_DTYPES:
+        # Masked statistics have no fused kernel: Keras' own computation, as before fusing.
+        return keras.layers.BatchNormalization.call(self, inputs, training=training, mask=mask)
+    data_format = "NHWC" if self.axis % 4 == 3 else "NCHW"
+    channels = inputs.shape[self.axis]
+    scale = _float32(self.gamma) if self.scale else tf.ones([channels], tf.float32)
+    offset = _float32(self.beta) if self.center else tf.zeros([channels], tf.float32)
+    # As Keras: a frozen layer (trainable=False) normalises with its moving statistics.
+    if training and self.trainable:
+        outputs, mean, unbiased_variance = tf.compat.v1.nn.fused_batch_norm(
+            inputs, scale, offset, epsilon=self.epsilon, data_format=data_format, is_training=True
+        )
+        # The kernel's variance output carries Bessel's correction n / max(n - 1, 1); Keras
+        # averages the biased batch variance into moving_variance.
+        count = tf.cast(tf.size(inputs, out_type=tf.int64) // channels, tf.float32)
+        variance = unbiased_variance * (tf.maximum(count - 1.0, 1.0) / count)
+        # Keras' update, term for term (batch_normalization.py:385).
+        self.moving_mean.assign(_float32(self.moving_mean) * self.momentum + mean * (1.0 - self.momentum))
+        self.moving_variance.assign(
+            _float32(self.moving_variance) * self.momentum + variance * (1.0 - self.momentum)
+        )
+    else:
+        outputs, _, _ = tf.compat.v1.nn.fused_batch_norm(
+            inputs,
+            scale,
+            offset,
+            mean=_float32(self.moving_mean),
+            variance=_float32(self.moving_variance),
+            epsilon=self.epsilon,
+            data_format=data_format,
+            is_training=False,
+        )
+    return tf.cast(outputs, self.compute_dtype)
