@@ -3,15 +3,21 @@
     import tfmp
     history = tfmp.fit(model, dataset, epochs=3)     # any compiled Keras model, any strategy
     tfmp.evaluate(model, eval_dataset)
+    tfmp.fuse_normalization(model)                   # BatchNormalization on the fused kernel
 
-`fit` and `evaluate` are loaded on first use, so `python -m tfmp.launch` starts without
-importing TensorFlow.
+`fit`, `evaluate` and `fuse_normalization` are loaded on first use, so `python -m tfmp.launch`
+starts without importing TensorFlow.
 """
 
-__all__ = ["fit", "evaluate"]
+__all__ = ["fit", "evaluate", "fuse_normalization"]
 
 
 def __getattr__(name):
+    # Imported on first use, not at the top: the launcher imports tfmp without TensorFlow.
+    if name == "fuse_normalization":
+        from tfmp.precision import fused_norm
+
+        return fused_norm.fuse_normalization
     if name in __all__:
         from tfmp.training import fitting
 

@@ -9,10 +9,11 @@
 Modules: `policy` (which policy on which hardware), `loss_scaling` (tfmp's replica-safe
 LossScaleOptimizer and the loss-scale flags), `doctor` (per-layer measurements, counted by
 `measures`), `report` (the table and precision_report.json), `layers` (copies of a model with
-float32 layers).
+float32 layers), `fused_norm` (BatchNormalization on the fused kernel, half precision in and out).
 """
 
 from tfmp.precision.doctor import diagnose
+from tfmp.precision.fused_norm import FusedNormalization, fuse_normalization
 from tfmp.precision.layers import clone_with_policies, float32_layers, layer_names, matching_layers
 from tfmp.precision.loss_scaling import (
     DEFAULT_GROWTH_STEPS,
@@ -61,6 +62,7 @@ __all__ = [
     "LossScaleOptimizer",
     "PolicyChoice",
     "Report",
+    "FusedNormalization",
     "check_compiled_with",
     "clone_with_policies",
     "compute_dtype",
@@ -70,6 +72,7 @@ __all__ = [
     "ensure_loss_scaling",
     "float32_layers",
     "format_report",
+    "fuse_normalization",
     "layer_names",
     "loss_scale_mode",
     "matching_layers",
