@@ -1,9 +1,12 @@
 """Tests for tfmp.classification.data: built-in datasets, TFDS (mocked and a tiny real one), folders, sharding."""
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from conftest import run_python
 
 from tfmp.classification import data, drawing
 from tfmp.errors import UsageError
@@ -235,9 +238,16 @@ def test_tfds_unknown_name_and_wrong_kind():
         data.describe("tfds:mnist:9.9.9")
 
 
-def test_tfds_not_prepared_is_a_usage_error(tmp_path):
-    with pytest.raises(UsageError, match="not prepared"):
-        data.load("tfds:mnist", "train", 4, data_dir=str(tmp_path))
+def test_tfds_not_prepared_is_refused_when_described(tmp_path):
+    """describe (the run's plan, before its model dir exists) opens the records load would."""
+    for call in (
+        lambda: data.describe("tfds:mnist", data_dir=str(tmp_path)),
+        lambda: data.load("tfds:mnist", "train", 4, data_dir=str(tmp_path)),
+    ):
+        with pytest.raises(UsageError, match=f"'mnist' is not prepared in data_dir '{tmp_path}'"):
+            call()
+    assert data.describe("tfds:mnist", data_dir=str(tmp_path), verify=False).num_classes == 10
+    assert os.listdir(tmp_path) == []
 
 
 class TfmpTestTinyImages(tfds.core.GeneratorBasedBuilder):
@@ -394,9 +404,67 @@ def test_folder_errors(tmp_path):
     with pytest.raises(UsageError, match=f"{tmp_path / 'empty'}.*no images"):
         data.describe(f"folder:{tmp_path / 'empty'}")
     _write_images(tmp_path / "few", 3)  # fewer than 10 per class: nothing held out
-    assert data.describe(f"folder:{tmp_path / 'few'}").eval_examples == 0
+    with pytest.raises(UsageError, match="has no eval images; give each class 10 or more images"):
+        data.describe(f"folder:{tmp_path / 'few'}")  # a run's plan: before anything is written
+    assert data.describe(f"folder:{tmp_path / 'few'}", verify=False).eval_examples == 0
     with pytest.raises(UsageError, match="no eval images"):
         data.load(f"folder:{tmp_path / 'few'}", "eval", 2, training=False)
+
+
+def _encoded(kind: str) -> bytes:
+    pixels = np.full((16, 16, 3), 90, np.uint8)
+    return (tf.io.encode_jpeg if kind == "jpeg" else tf.io.encode_png)(pixels).numpy()
+
+
+BAD_FILES = {  # name: (contents, why the refusal says it is bad)
+    "empty.png": (lambda: b"", "empty file"),
+    "page.jpg": (lambda: b"<html>404</html>", "starts with b'<html>404</h': not a JPEG, PNG, GIF, BMP, WebP"),
+    "cut.jpg": (lambda: _encoded("jpeg")[:200], "truncated or corrupt JPEG: no end-of-image marker"),
+    "cut.png": (lambda: _encoded("png")[:40], "truncated or corrupt PNG: no IEND chunk at the end"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_folder_with_a_bad_image_file_is_refused_naming_it(image_folder, name):
+    contents, why = BAD_FILES[name]
+    bad = image_folder / "dog" / name
+    bad.write_bytes(contents())
+    spec = f"folder:{image_folder}"
+    with pytest.raises(UsageError) as error:
+        data.describe(spec)
+    message = str(error.value)
+    assert message.startswith(f"{spec}: 1 file(s) are not readable images, first {bad} ({why}")
+    assert message.endswith("; remove or repair them") and "\n" not in message
+    assert data.describe(spec, verify=False).train_examples == 55  # names and sizes only
+
+
+def test_folder_sniff_counts_bad_files_and_passes_whole_ones(image_folder):
+    whole = _encoded("jpeg")
+    (image_folder / "cat" / "motion.jpg").write_bytes(whole + b"\x00\x00\x00\x18ftypmp42" + bytes(99))
+    (image_folder / "cat" / "padded.jpg").write_bytes(whole + bytes(16))  # zeros after the end marker
+    assert data.describe(f"folder:{image_folder}").train_examples == 56  # 54 + both: they decode
+    (image_folder / "emu" / "a.jpg").write_bytes(b"")
+    (image_folder / "dog" / "b.jpg").write_bytes(b"")
+    with pytest.raises(
+        UsageError, match=f"2 file\\(s\\) are not readable images, first {image_folder}/dog/b.jpg"
+    ):
+        data.describe(f"folder:{image_folder}")
+
+
+@pytest.mark.slow
+def test_classify_refuses_a_corrupt_folder_before_writing_anything(tmp_path):
+    _write_images(tmp_path / "pics", 10)
+    bad = tmp_path / "pics" / "emu" / "cut.jpg"
+    bad.write_bytes(_encoded("jpeg")[:200])
+    run = tmp_path / "run"
+    result = run_python(
+        ["-m", "apps.classify", f"--dataset=folder:{tmp_path / 'pics'}", "--steps=1", f"--model_dir={run}"]
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(errors) == 1 and f"first {bad} (truncated or corrupt JPEG" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout and "JPEG library" not in result.stderr
+    assert not run.exists()
 
 
 @pytest.mark.parametrize("spec", ["digits", "shapes"])

@@ -284,26 +284,138 @@ def test_single_coco_json_holds_out_every_tenth_image(tmp_path):
     assert next(iter(evaluation))[2]["valid"].numpy().all()
 
 
-@pytest.mark.parametrize(
-    "bbox, message",
-    [([1, 1, -4, 5], "negative width or height"), ([1, 1, 4], "bad bbox"), ([1, "a", 4, 4], "bad bbox")],
-)
-def test_malformed_coco_boxes_are_one_line_usage_errors(tmp_path, bbox, message):
-    _write_coco(str(tmp_path), "train2017", [(32, 32)], [(1, 5, bbox, 0)])
-    with pytest.raises(UsageError, match=message) as error:
+def _edit_coco(path, edit):
+    """Rewrites the COCO JSON at `path` as `edit(content)` leaves it, or as it returns it."""
+    with open(path) as handle:
+        content = json.load(handle)
+    edited = edit(content)
+    content = content if edited is None else edited
+    with open(path, "w") as handle:
+        json.dump(content, handle)
+
+
+def _set(entries, index, key, value=None):
+    """entries[index][key] = value; without a value the key is removed."""
+    entries[index].pop(key) if value is None else entries[index].__setitem__(key, value)
+
+
+# (edit of a valid train JSON: 2 images 32x32, annotation 0 on image 1; what the error says)
+SCHEMA_ERRORS = {
+    "not an object": (
+        lambda c: [],
+        "holds an array, not COCO's object of images, annotations and categories",
+    ),
+    "images not a list": (lambda c: c.update(images={"id": 1}), "has an object as 'images'; COCO JSON needs"),
+    "no categories": (lambda c: c.__delitem__("categories"), "has no 'categories'; COCO JSON needs"),
+    "image not an object": (lambda c: c["images"].append(7), "images[2] is a number, not a JSON object"),
+    "image without file_name": (
+        lambda c: _set(c["images"], 1, "file_name"),
+        "images[1] (id 2) has no file_name; give each image its file's path relative to",
+    ),
+    "image without id": (lambda c: _set(c["images"], 0, "id"), "images[0] has no id; give each image"),
+    "repeated image id": (
+        lambda c: _set(c["images"], 1, "id", 1),
+        "images[1] (id 1) repeats the id of images[0]",
+    ),
+    "bad image size": (
+        lambda c: _set(c["images"], 0, "width", -3),
+        "images[0] (id 1) has a bad size -3 x 32",
+    ),
+    "category without name": (
+        lambda c: _set(c["categories"], 1, "name"),
+        "categories[1] (id 9) has no name; give each category a name",
+    ),
+    "annotation without bbox": (
+        lambda c: _set(c["annotations"], 0, "bbox"),
+        "annotations[0] (id 0) has no bbox; give it [x, y, width, height] in pixels",
+    ),
+    "short bbox": (
+        lambda c: _set(c["annotations"], 0, "bbox", [1, 1, 4]),
+        "annotations[0] (id 0) has a bad bbox",
+    ),
+    "text in bbox": (
+        lambda c: _set(c["annotations"], 0, "bbox", [1, "a", 4, 4]),
+        "has a bad bbox [1, 'a', 4, 4]",
+    ),
+    "NaN bbox": (
+        lambda c: _set(c["annotations"], 0, "bbox", [1, float("nan"), 4, 4]),
+        "annotations[0] (id 0) has a bbox with NaN or infinity [1, nan, 4, 4]",
+    ),
+    "negative size": (
+        lambda c: _set(c["annotations"], 0, "bbox", [1, 1, -4, 5]),
+        "annotations[0] (id 0) has a negative width or height in bbox [1, 1, -4, 5]",
+    ),
+    "box outside its image": (
+        lambda c: _set(c["annotations"], 0, "bbox", [40, 1, 4, 4]),
+        "annotations[0] (id 0) has bbox [40, 1, 4, 4] entirely outside its image 1 (32 x 32 pixels)",
+    ),
+    "unknown image_id": (
+        lambda c: _set(c["annotations"], 0, "image_id", 9),
+        "names image_id 9, which is not in",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SCHEMA_ERRORS)
+def test_coco_schema_errors_are_one_line_naming_file_entry_and_field(tmp_path, case):
+    path = _write_coco(str(tmp_path), "train2017", [(32, 32)] * 2, [(1, 5, [1, 1, 4, 4], 0)])
+    edit, message = SCHEMA_ERRORS[case]
+    _edit_coco(path, edit)
+    with pytest.raises(UsageError) as error:
         data.describe(f"coco:{tmp_path}")
-    assert "\n" not in str(error.value) and "instances_train2017.json" in str(error.value)
+    assert str(error.value).startswith(f"COCO file {path!r}") and message in str(error.value)
+    assert "\n" not in str(error.value)
 
 
-def test_coco_json_with_missing_images_or_no_annotations_is_a_usage_error(tmp_path):
-    _write_coco(str(tmp_path), "train2017", [(32, 32), (32, 32)], [(1, 5, [1, 1, 4, 4], 0)])
+def test_coco_boxes_reaching_outside_their_image_are_clipped_with_one_warning(tmp_path, caplog):
+    root = str(tmp_path)
+    # A 32 (high) x 64 (wide) image: one box reaches past the right edge, one above the top.
+    boxes = [(1, 5, [60, 4, 10, 8], 0), (1, 5, [2, -3, 6, 6], 0), (1, 5, [8, 8, 8, 8], 0)]
+    _write_coco(root, "train2017", [(32, 64)], boxes)
+    _write_coco(root, "val2017", [(32, 32)], [(1, 9, [2, 2, 8, 8], 0)])
+    with caplog.at_level("WARNING"):
+        data.describe(f"coco:{root}", image_size=SIZE)
+    assert [r.getMessage() for r in caplog.records if "clipped" in r.getMessage()] == [
+        f"coco:{root}: clipped 2 of 4 boxes that reach outside their image"
+    ]
+    item = next(iter(data.source(f"coco:{root}", "train", SIZE).examples(None, None)))
+    np.testing.assert_allclose(item["boxes"].numpy(), [[60, 4, 4, 8], [2, 0, 6, 3], [8, 8, 8, 8]])
+
+
+def test_coco_missing_image_files_and_paths_are_usage_errors(tmp_path):
+    path = _write_coco(str(tmp_path), "train2017", [(32, 32), (32, 32)], [(1, 5, [1, 1, 4, 4], 0)])
     os.remove(os.path.join(tmp_path, "train2017", "002.png"))
-    with pytest.raises(UsageError, match=r"1 image\(s\) .* missing, e.g. .*002.png"):
+    with pytest.raises(UsageError) as error:
         data.describe(f"coco:{tmp_path}")
+    missing = os.path.join(tmp_path, "train2017", "002.png")
+    assert str(error.value) == (
+        f"COCO file {path!r}: 1 image file(s) are missing, first {missing!r} (images[1]); "
+        "put the images there or fix their file_name"
+    )
     with pytest.raises(UsageError, match="does not exist"):
         data.describe(f"coco:{tmp_path}/nowhere")
     with pytest.raises(UsageError, match="instances_train2017.json"):
         data.describe(f"coco:{tmp_path}/train2017")
+
+
+def test_coco_bad_image_file_or_no_eval_images_is_refused_when_described(tmp_path):
+    root = str(tmp_path)
+    _write_coco(root, "train2017", [(32, 32)] * 2, [(1, 5, [1, 1, 4, 4], 0)])
+    with pytest.raises(UsageError, match=f"COCO dataset {root!r} has no eval images"):
+        data.describe(f"coco:{root}")  # no val annotations: refused before a run writes anything
+    assert data.describe(f"coco:{root}", verify=False).eval_examples == 0
+    _write_coco(root, "val2017", [(32, 32)], [(1, 9, [2, 2, 8, 8], 0)])
+    assert data.describe(f"coco:{root}").eval_examples == 1
+    bad = os.path.join(root, "val2017", "001.png")
+    with open(bad, "wb") as handle:
+        handle.write(b"version https://git-lfs.github.com/spec/v1\n")  # an LFS pointer, not the image
+    with pytest.raises(UsageError) as error:
+        data.describe(f"coco:{root}")
+    assert str(error.value) == (
+        f"coco:{root}: 1 file(s) are not readable images, first {bad} (starts with b'version http': "
+        "not a JPEG, PNG, GIF, BMP, WebP or JPEG XL image); remove or repair them, or their entries "
+        "in the annotation JSON"
+    )
 
 
 # ----------------------------------------------------------------------------- TFDS (mocked)
@@ -363,11 +475,13 @@ def test_tfds_voc_decodes_relative_yxyx_boxes_offline():
     ]
 
 
-def test_tfds_dataset_that_is_not_detection_is_a_usage_error():
+def test_tfds_dataset_that_is_not_detection_or_not_prepared_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="not object detection"):
         data.describe("tfds:mnist")
     with pytest.raises(UsageError, match="unknown tfds dataset"):
         data.describe("tfds:no_such_dataset_here")
+    with pytest.raises(UsageError, match="'voc/2007' is not prepared in data_dir"):
+        data.describe("tfds:voc/2007", data_dir=str(tmp_path))  # before a run writes anything
 
 
 def test_read_image_for_prediction(tmp_path):

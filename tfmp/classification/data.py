@@ -11,11 +11,12 @@ A dataset is named by a spec string:
   them (not prepared, or under ``tfds.testing.mock_data``).
 * ``folder:PATH`` one sub-folder per class of jpg/png/bmp/gif files (``image_size`` default 64).
   ``PATH/train`` + ``PATH/val`` (or ``validation``/``test``) are used as splits when present,
-  otherwise every 10th file of each class (sorted order) is held out for eval.
+  otherwise every 10th file of each class (sorted order) is held out for eval. `describe`
+  refuses a folder with a file that is not a whole image (`tfmp.input.image_files`), naming it.
 
 Usage::
 
-    info = data.describe("shapes", image_size=64)           # cheap: validates, no loading
+    info = data.describe("shapes", image_size=64)           # validates, loads nothing
     ds, policy = data.load("shapes", "train", 256, input_context=ctx, seed=1)
 
 Images are float32 in [0, 1] (HxWxC), labels int32. ``shapes`` and ``digits`` are generated
@@ -43,8 +44,8 @@ from absl import logging
 
 from tfmp.classification import drawing
 from tfmp.errors import UsageError
+from tfmp.input import image_files, stream, tfds_reader
 from tfmp.input import spec as specs
-from tfmp.input import stream, tfds_reader
 from tfmp.input.source import Source
 from tfmp.input.stream import with_threads  # noqa: F401  (re-exported: callers use data.with_threads)
 
@@ -87,12 +88,20 @@ DIGITS_CLASS_NAMES = tuple(str(digit) for digit in range(10))
 
 
 # ----------------------------------------------------------------------------- spec handling
-def describe(spec: str, image_size: int | None = None, data_dir: str | None = None) -> DatasetInfo:
-    """Validates `spec` and returns its shape, classes and split sizes without loading data."""
-    return _source(spec, "train", image_size, data_dir).info
+def describe(
+    spec: str, image_size: int | None = None, data_dir: str | None = None, *, verify: bool = True
+) -> DatasetInfo:
+    """Validates `spec` and returns its shape, classes and split sizes without loading data.
+
+    `verify` (what a training run needs before it writes anything): both splits have examples,
+    every image file of a folder starts and ends as an image does (`tfmp.input.image_files`:
+    two small reads a file, ~0.2 s per 10,000 cached files), a TFDS dataset's records are in
+    `data_dir`. `verify=False` checks only what naming the classes and the image shape needs.
+    """
+    return _source(spec, "train", image_size, data_dir, verify=verify).info
 
 
-def _source(spec, split, image_size, data_dir) -> Source:
+def _source(spec, split, image_size, data_dir, verify=False) -> Source:
     kind, arg = specs.parse(
         spec,
         builtins=("shapes", "digits", "synthetic"),
@@ -105,9 +114,9 @@ def _source(spec, split, image_size, data_dir) -> Source:
         image_size, default=DEFAULT_IMAGE_SIZE.get(kind), low=MIN_IMAGE_SIZE, high=MAX_IMAGE_SIZE
     )
     if kind == "tfds":
-        return _tfds_source(spec, arg, split, size, data_dir)
+        return _tfds_source(spec, arg, split, size, data_dir, verify)
     if kind == "folder":
-        return _folder_source(spec, arg, split, size)
+        return _folder_source(spec, arg, split, size, verify)
     return _builtin_source(spec, kind, split, size)
 
 
@@ -146,7 +155,7 @@ def _builtin_source(spec, kind, split, size):
 
 
 # ----------------------------------------------------------------------------- TFDS
-def _tfds_source(spec, name, split, size, data_dir):
+def _tfds_source(spec, name, split, size, data_dir, verify):
     tfds = tfds_reader.module()
     info = tfds_reader.builder(name, data_dir).info
     image_key, label_key = info.supervised_keys if info.supervised_keys else ("image", "label")
@@ -168,6 +177,8 @@ def _tfds_source(spec, name, split, size, data_dir):
         names = ("train[:90%]", "train[90%:]")
     if splits and "train" not in splits:
         raise UsageError(f"tfds dataset {name!r} has no train split (it has {', '.join(splits)})")
+    if verify:  # the reader's own open: an unprepared dataset fails here, not after the run starts
+        tfds_reader.check_readable(name, names, data_dir)
     split_infos = [splits[s] if splits else None for s in names]
     counts = [s.num_examples if s else 0 for s in split_infos]
     tfds_split = names[SPLITS.index(split)]
@@ -201,7 +212,8 @@ def _tfds_source(spec, name, split, size, data_dir):
 
 
 # ----------------------------------------------------------------------------- folders
-def _folder_source(spec, path, split, size):
+def _folder_files(path):
+    """(class names, train [(file, label)], eval [(file, label)]) of a `folder:` dataset."""
     root = os.path.expanduser(path)
     if not tf.io.gfile.isdir(root):
         raise UsageError(f"dataset folder {path!r} does not exist (or is not a folder)")
@@ -230,9 +242,12 @@ def _folder_source(spec, path, split, size):
         return found
 
     if split_dirs:
-        train, evaluation = files(class_root, None), files(os.path.join(root, eval_dir), None)
-    else:
-        train, evaluation = files(root, False), files(root, True)
+        return classes, files(class_root, None), files(os.path.join(root, eval_dir), None)
+    return classes, files(root, False), files(root, True)
+
+
+def _folder_source(spec, path, split, size, verify):
+    classes, train, evaluation = _folder_files(path)
     if not train:
         raise UsageError(
             f"dataset folder {path!r} has no images in class sub-folders "
@@ -241,12 +256,14 @@ def _folder_source(spec, path, split, size):
     info = DatasetInfo(
         spec, (size, size, 3), len(classes), len(train), len(evaluation), class_names=tuple(classes)
     )
-    chosen = train if split == "train" else evaluation
-    if not chosen:
+    if not evaluation and (verify or split == "eval"):
         raise UsageError(
-            f"dataset folder {path!r} has no {split} images (the hold-out takes "
-            "every 10th file of a class; or add train/ and val/ sub-folders)"
+            f"dataset folder {path!r} has no eval images; give each class 10 or more images "
+            f"(every 10th is held out) or put the eval images in {path}/val/<class>/ beside train/"
         )
+    if verify:  # a bad file found now, before the run writes anything, not as a traceback mid-run
+        image_files.check([file for file, _ in train + evaluation], spec)
+    chosen = train if split == "train" else evaluation
     paths, labels = [p for p, _ in chosen], [label for _, label in chosen]
 
     def decode(file_path, label):

@@ -15,7 +15,7 @@ A dataset is named by a spec string (as in `tfmp.classification.data`):
 
 Usage::
 
-    info = data.describe("shapes", image_size=128)        # cheap: validates, no loading
+    info = data.describe("shapes", image_size=128)        # validates, loads nothing
     train, policy = data.load("shapes", "train", 32, augment=True)    # (image, truth)
     evaluation, _ = data.load("shapes", "eval", 32)                    # (image, truth)
     image, scale, original = data.read_image("photo.jpg", 128)   # for predictions
@@ -86,8 +86,10 @@ def source(
     image_size: int | None = None,
     data_dir: str | None = None,
     max_boxes: int | None = None,
+    verify: bool = False,
 ) -> Source:
-    """The `Source` of one split of `spec` (validates everything `load` would)."""
+    """The `Source` of one split of `spec` (validates everything `load` would; `verify`: what
+    `describe` checks besides)."""
     kind, argument = specs.parse(
         spec, builtins=("shapes",), with_argument=("coco", "tfds"), what="detection dataset", choices=CHOICES
     )
@@ -105,15 +107,26 @@ def source(
     if kind == "shapes":
         return sources.shapes_source(spec, split, size)
     if kind == "coco":
-        return sources.coco_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES)
-    return sources.tfds_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES, data_dir)
+        return sources.coco_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES, verify)
+    return sources.tfds_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES, data_dir, verify)
 
 
 def describe(
-    spec: str, image_size: int | None = None, data_dir: str | None = None, max_boxes: int | None = None
+    spec: str,
+    image_size: int | None = None,
+    data_dir: str | None = None,
+    max_boxes: int | None = None,
+    *,
+    verify: bool = True,
 ) -> DetectionInfo:
-    """Validates `spec` and returns its image size, classes and split sizes without loading."""
-    return source(spec, "train", image_size, data_dir, max_boxes).info
+    """Validates `spec` and returns its image size, classes and split sizes without loading.
+
+    `verify` (what a training run needs before it writes anything): both splits have images,
+    every COCO image file starts and ends as an image does (`tfmp.input.image_files`), a TFDS
+    dataset's records are in `data_dir`; boxes clipped to their image are counted in one
+    warning. `verify=False` checks only what naming the classes needs.
+    """
+    return source(spec, "train", image_size, data_dir, max_boxes, verify=verify).info
 
 
 # ----------------------------------------------------------------------------- geometry

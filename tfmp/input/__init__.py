@@ -2,9 +2,12 @@
 
 * `spec`       dataset spec strings (``kind`` or ``kind:argument``), image-size and batch checks
 * `source`     `Source`: one split as a cheap example stream plus its decoder
-* `sharding`   shard policy, the shuffled/sharded/skipped example stream, eval padding to full
+* `stream`     shard policy, the shuffled/sharded/skipped example stream, eval padding to full
                batches, the final dataset options
-* `tfds_reader` prepared TFDS datasets: builder errors, reading still-encoded records
+* `tfds_reader` prepared TFDS datasets: builder errors, reading still-encoded records, the
+               "is it prepared" check
+* `image_files` image files sniffed (first and last bytes) before a run starts: a bad file is
+               one error line naming it
 
 The tasks' data modules (`tfmp.classification.data`, `tfmp.detection.data`) build on these.
 """

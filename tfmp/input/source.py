@@ -2,7 +2,7 @@
 
 A source is a cheap per-example stream (indices, file paths, still-encoded TFDS records), so
 shuffling, sharding and skipping it costs nothing, plus the decoder that turns one item into
-tensors. `tfmp.input.sharding.example_stream` orders and splits the stream; the task's data
+tensors. `tfmp.input.stream.example_stream` orders and splits the stream; the task's data
 module decodes, augments and batches it.
 """
 
