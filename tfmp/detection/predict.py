@@ -30,8 +30,8 @@ def load_detector(model_dir: str) -> tuple[keras.Model, dict, data.DetectionInfo
         )
     path = run_dir.model_path(model_dir)
     image_size = int(flags["image_size"]) if flags.get("image_size") not in (None, "None") else None
-    info = data.describe(
-        flags.get("dataset", "shapes"), image_size=image_size, data_dir=flags.get("data_dir")
+    info = data.describe(  # names and image size only: no file checks at predict time
+        flags.get("dataset", "shapes"), image_size=image_size, data_dir=flags.get("data_dir"), verify=False
     )
     model = keras.models.load_model(path, compile=False)
     return model, flags, info

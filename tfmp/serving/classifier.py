@@ -120,7 +120,8 @@ def classify_files(model: str, paths: list[str], settings: dict) -> list[dict]:
 
 def class_names(dataset: str, image_size: int | None, data_dir: str | None):
     """A classification dataset's class names (detection's "shapes" has other classes)."""
-    info = classification_data.describe(dataset, image_size=image_size, data_dir=data_dir)
+    # Names only: the files' checks are training's (and the data need not be here).
+    info = classification_data.describe(dataset, image_size=image_size, data_dir=data_dir, verify=False)
     return info.class_names
 
 
