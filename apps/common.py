@@ -6,21 +6,23 @@ Flags live here and in the apps only; `config_from_flags` turns them into a plai
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shlex
 import sys
 
 from absl import flags
 
 from tfmp import optim, precision
 from tfmp.distribute import strategies as distribute
-from tfmp.distribute.launch import STARTUP_TIMEOUT_ENV
+from tfmp.distribute.launch import LAUNCH_COMMAND_ENV, STARTUP_TIMEOUT_ENV
 from tfmp.errors import UsageError
 from tfmp.models import MODELS
 from tfmp.training.config import TrainConfig
 from tfmp.training.diagnosis import DEFAULT_STEPS as DEFAULT_DIAGNOSE_STEPS
 from tfmp.training.diagnosis import diagnose_precision
-from tfmp.training.plan import XLA_CHOICES
-from tfmp.training.run import train_and_evaluate
+from tfmp.training.plan import XLA_CHOICES, default_model_dir
+from tfmp.training.run import flag_values, train_and_evaluate
 
 FLAGS = flags.FLAGS
 
@@ -139,12 +141,30 @@ def config_from_flags(**overrides) -> TrainConfig:
 def resolved_flags(app_name: str, config: TrainConfig) -> str:
     """The flags as resolved for this run, as a flagfile that reproduces it."""
     lines = [f"# resolved flags of: python -m apps.{app_name} {' '.join(sys.argv[1:])}"]
-    values = config.flat()
-    for name in TRAIN_FLAGS:
-        value = ",".join(values[name]) if isinstance(values[name], tuple) else values[name]  # list flags
-        if value is not None:
-            lines.append(f"--{name}={value}")
+    values = flag_values(config)
+    lines += [f"--{name}={values[name]}" for name in TRAIN_FLAGS if name in values]
     return "\n".join(lines) + "\n"
+
+
+def resume_command(app_name: str, model_dir: str, had_model_dir: bool) -> str:
+    """The exact command that resumes this run, for the messages on SIGTERM and ^C.
+
+    The command as it was typed (`sys.orig_argv`), or the launcher's when `tfmp.launch` started
+    this worker (re-running one worker's command would not start its peers), plus
+    `--model_dir=<absolute dir>` when it named none: the default `runs/<model>-<dataset>-<time>`
+    is new per run (and per launch: the launcher stamps a new TFMP_RUN_NAME), so without it
+    the same command would start again from step 0. Appended to the launcher's command it
+    lands after `--`, among the worker command's flags.
+    """
+    launched = os.environ.get(LAUNCH_COMMAND_ENV)
+    if launched:
+        command = launched
+    else:
+        argv = list(getattr(sys, "orig_argv", None) or ["python", "-m", f"apps.{app_name}", *sys.argv[1:]])
+        command = shlex.join(argv)
+    if had_model_dir:
+        return command
+    return f"{command} {shlex.quote('--model_dir=' + os.path.abspath(os.path.expanduser(model_dir)))}"
 
 
 def train_or_diagnose(app_name: str, config: TrainConfig, task) -> None:
@@ -154,4 +174,12 @@ def train_or_diagnose(app_name: str, config: TrainConfig, task) -> None:
             raise UsageError(f"--diagnose_steps={FLAGS.diagnose_steps} must be a positive number of batches")
         diagnose_precision(config, task, FLAGS.diagnose_steps)
         return
-    train_and_evaluate(config, task, resolved_flags=resolved_flags(app_name, config))
+    flags_text = resolved_flags(app_name, config)  # without a default dir: a copy starts a new run
+    had_model_dir = config.checkpointing.model_dir is not None
+    if not had_model_dir:  # named here, once, so the resume command can name it
+        config = dataclasses.replace(
+            config,
+            checkpointing=dataclasses.replace(config.checkpointing, model_dir=default_model_dir(config)),
+        )
+    command = resume_command(app_name, config.checkpointing.model_dir, had_model_dir)
+    train_and_evaluate(config, task, resolved_flags=flags_text, resume_command=command)

@@ -134,9 +134,14 @@ def test_the_input_iterator_is_destroyed_before_the_end_barrier(tmp_path, monkey
 
 
 def test_nonfinite_float32_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    diverging = _config(tmp_path, steps=30, optimizer="sgd", learning_rate=1e30)
+    with pytest.raises(TrainingDiverged, match="non-finite at step [12] .*no checkpoint was saved yet in"):
+        train_and_evaluate(task=TASK, config=diverging)  # before the first checkpoint (step 3)
     train_and_evaluate(task=TASK, config=_config(tmp_path, steps=3, optimizer="sgd"))
-    with pytest.raises(TrainingDiverged, match="non-finite at step .* float32.*last good checkpoint"):
-        train_and_evaluate(task=TASK, config=_config(tmp_path, steps=30, optimizer="sgd", learning_rate=1e30))
+    with pytest.raises(
+        TrainingDiverged, match="non-finite at step .* float32.*the checkpoint of step 3 in .* is kept"
+    ):
+        train_and_evaluate(task=TASK, config=diverging)
     latest = tf.train.latest_checkpoint(str(tmp_path / checkpoint.SUBDIR))
     assert latest.endswith("ckpt-3")
     reader = tf.train.load_checkpoint(latest)

@@ -4,19 +4,26 @@
                               model=model, optimizer=optimizer)
     step = checkpoints.restore()      # 0 on a fresh run
     checkpoints.save(step)
+    checkpoints.saved_step            # the newest complete checkpoint's step (None: none yet)
 
 A checkpoint holds the model, the optimizer (slots, iteration count and the loss-scale state),
 the global step and the global batch size, which together fix the data position: the input
 pipeline skips `step * global_batch_size` examples on resume, so a run resumed with another
 global batch would continue at a different place in the data; that is refused with both sizes.
 A checkpoint that cannot be read (a truncated or overwritten data or index file) is skipped
-with a warning for the next older kept one; only when none restores is it a user error.
+with a warning for the next older kept one; only when none restores is it a user error. A
+damaged or missing state file (`checkpoints/checkpoint`, which lists the kept checkpoints) is
+named in a warning and the `ckpt-N` files on disk are tried instead, newest first; the damaged
+file is kept as `checkpoint.damaged` when the next save writes a new one.
 Every worker must take part in a save under MultiWorkerMirroredStrategy, so non-chief workers
 save into a private temporary directory that `close()` removes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import logging as python_logging
 import os
 import shutil
 import tempfile
@@ -28,9 +35,16 @@ from tfmp import run_dir
 from tfmp.errors import UsageError
 
 SUBDIR = run_dir.CHECKPOINT_DIR
+STATE_FILE = "checkpoint"  # tf.train.CheckpointManager's list of kept checkpoints
 # What a damaged or mismatched checkpoint raises while being read (a truncated data file gives
 # IndexError "Read less bytes than requested" from the reader, not an OpError).
 _READ_ERRORS = (tf.errors.OpError, AssertionError, ValueError, IndexError, KeyError, EOFError)
+
+
+def has_checkpoint(model_dir: str) -> bool:
+    """Whether `model_dir` holds anything a run would resume from (a state file or ckpt-N files)."""
+    directory = os.path.join(os.path.expanduser(model_dir), SUBDIR)
+    return os.path.isfile(os.path.join(directory, STATE_FILE)) or bool(_files_on_disk(directory))
 
 
 class Checkpoints:
@@ -45,51 +59,84 @@ class Checkpoints:
         **objects,
     ):
         self.is_chief = is_chief
-        self.model_dir = model_dir
+        # Absolute once: paths read back from the state file are joined onto it, and a later
+        # chdir must not move the run.
+        self.model_dir = os.path.abspath(os.path.expanduser(model_dir))
+        self.location = os.path.join(self.model_dir, SUBDIR)  # the chief's, on every worker
         self.say = say
         if is_chief:
-            self.directory = os.path.join(model_dir, SUBDIR)
+            self.directory = self.location
         else:
             self.directory = tempfile.mkdtemp(prefix=f"tfmp-worker{task_id}-")
         self.global_batch_size = global_batch_size
+        self.keep = keep
+        self.saved_step: int | None = None
+        self._damaged_state = False
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         self.batch = tf.Variable(global_batch_size, dtype=tf.int64, trainable=False, name="global_batch_size")
         self.checkpoint = tf.train.Checkpoint(step=self.step, global_batch_size=self.batch, **objects)
-        self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=keep)
+        self._manager = None  # made at the first save: it reads (and then rewrites) the state file
 
     def _candidates(self) -> list[str]:
-        """The chief's kept checkpoints, newest first (non-chief workers read the chief's)."""
-        directory = os.path.join(self.model_dir, SUBDIR)
-        state = tf.train.get_checkpoint_state(directory)
-        if state is None:
-            return []
-        paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
-        paths = [path if os.path.isabs(path) else os.path.join(directory, path) for path in paths]
-        return sorted(set(paths), key=_number, reverse=True)
+        """The chief's kept checkpoints, newest first (non-chief workers read the chief's).
+
+        The state file's paths come back already joined onto the directory. Without a readable
+        state file, the ckpt-N files on disk, newest first.
+        """
+        state_file = os.path.join(self.location, STATE_FILE)
+        if not os.path.isfile(state_file):
+            paths = _files_on_disk(self.location)
+            if paths:
+                self.say(f"{state_file} is missing; trying the checkpoint files on disk, newest first")
+            return paths
+        try:
+            with _quiet_tensorflow():  # it logs a parse error in two lines; one is said below
+                state = tf.train.get_checkpoint_state(self.location)
+        except ValueError:  # parsed, but names no checkpoint
+            state = None
+        if state is not None:
+            paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+            return sorted(set(paths), key=_number, reverse=True)
+        self._damaged_state = True
+        paths = _files_on_disk(self.location)
+        self.say(
+            f"checkpoint state file {state_file} is damaged (unreadable); trying the "
+            f"{len(paths)} checkpoint file(s) on disk, newest first"
+        )
+        return paths
 
     def restore(self) -> int:
         """Restores the newest readable checkpoint; returns the step it holds (0 if none)."""
         candidates = self._candidates()
         skipped = []
         for path in candidates:
-            try:
-                self.checkpoint.restore(path).assert_existing_objects_matched()
-            except _READ_ERRORS as error:
-                reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            reason = self._restore_from(path)
+            if reason is not None:
                 skipped.append(f"{os.path.basename(path)} ({reason})")
                 self.say(f"skipped checkpoint {path}: cannot be read ({reason}); trying the next older one")
                 continue
             self._check_batch(path)
             step = int(self.step.numpy())
+            self.saved_step = step
             logging.info("restored %s at step %d", path, step)
             return step
         if candidates:
             raise UsageError(
-                f"no checkpoint in {os.path.join(self.model_dir, SUBDIR)} can be restored into "
+                f"no checkpoint in {self.location} can be restored into "
                 f"this model/optimizer: {'; '.join(skipped)}; use a fresh --model_dir or the "
                 "run's original flags"
             )
         return 0
+
+    def _restore_from(self, path: str) -> str | None:
+        """Restores `path`; None, or why it cannot be (its first line)."""
+        try:
+            status = self.checkpoint.restore(path)
+            status.expect_partial()  # mismatches raise below; no warnings when it is collected
+            status.assert_existing_objects_matched()
+            return None
+        except _READ_ERRORS as error:
+            return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
     def _check_batch(self, path: str) -> None:
         saved = int(self.batch.numpy())
@@ -100,14 +147,45 @@ class Checkpoints:
                 f"data; resume with --global_batch_size={saved} or start a fresh --model_dir"
             )
 
+    @property
+    def manager(self) -> tf.train.CheckpointManager:
+        if self._manager is None:
+            state_file = os.path.join(self.directory, STATE_FILE)
+            if self.is_chief and self._damaged_state and os.path.isfile(state_file):
+                # The manager would fail on it or overwrite it; kept for whoever looks into it.
+                os.replace(state_file, state_file + ".damaged")
+            self._manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.keep)
+        return self._manager
+
     def save(self, step: int) -> str:
         self.step.assign(step)
         self.batch.assign(self.global_batch_size)
-        return self.manager.save(checkpoint_number=step)
+        path = self.manager.save(checkpoint_number=step)
+        self.saved_step = step  # only now: the state file names it once its files are written
+        return path
 
     def close(self) -> None:
         if not self.is_chief:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _files_on_disk(directory: str) -> list[str]:
+    """The ckpt-N prefixes in `directory` that have an index file, newest first."""
+    paths = [
+        path[: -len(".index")] for path in glob.glob(os.path.join(glob.escape(directory), "ckpt-*.index"))
+    ]
+    return sorted((path for path in paths if _number(path) >= 0), key=_number, reverse=True)
+
+
+@contextlib.contextmanager
+def _quiet_tensorflow():
+    logger = python_logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(python_logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _number(path: str) -> int:

@@ -8,12 +8,20 @@ Each host call runs up to `steps_per_execution` steps (`Engine.train`), cut shor
 checkpoint steps and the steps where a hook (pruning) must act. Per epoch: the model's metrics
 are averaged from the epoch's start (as Keras reports them), `evaluate()` runs if given, a
 checkpoint is saved, and Keras callbacks see the same `logs` that `model.fit` would give them.
+
+Stopping: SIGTERM (and ^C, SIGINT, with `stop_on_interrupt=True`, as the apps do) makes every
+worker save a checkpoint at the next step boundary and raise `Preempted`, whose message says
+which step was saved and the `resume_command`. A second signal stops at once, and so does a
+first one on a single worker before its first step finished (nothing trained yet to save),
+each with one line naming the checkpoint a resume starts from (see `_StopSignals`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +31,8 @@ import keras
 from absl import logging
 
 from tfmp import precision
-from tfmp.errors import Preempted, TrainingDiverged
+from tfmp.distribute import strategies as distribute
+from tfmp.errors import EXIT_PREEMPTED, Preempted, TrainingDiverged
 from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.engine import Engine
 from tfmp.training.reporting import Reporter
@@ -76,6 +85,8 @@ class Loop:
         hooks: tuple = (),
         callbacks: list | None = None,
         scalars: Callable[[], dict] | None = None,
+        resume_command: str | None = None,
+        stop_on_interrupt: bool = False,
     ):
         self.engine = engine
         self.data_for_epoch = data_for_epoch
@@ -85,6 +96,8 @@ class Loop:
         self.evaluate = evaluate
         self.hooks = tuple(hooks)
         self.extra_scalars = scalars or (lambda: {})
+        self.resume_command = resume_command
+        self.stop_signals = (signal.SIGTERM, signal.SIGINT) if stop_on_interrupt else (signal.SIGTERM,)
         self.epochs = -(-settings.total_steps // settings.steps_per_epoch)
         self.callbacks = keras.callbacks.CallbackList(
             callbacks,
@@ -101,13 +114,14 @@ class Loop:
 
     def run(self, start_step: int) -> LoopResult:
         step, last_eval = start_step, None
-        preemption = _PreemptionNotice()
-        self.engine.model.stop_training = False
-        self.callbacks.on_train_begin()
-        for hook in self.hooks:
-            if hook.next_update_step(step) == step:
-                hook.update(step)
+        single_worker = distribute.describe(self.engine.strategy).workers == 1
+        preemption = _StopSignals(self.stop_signals, self._resume_clause, single_worker)
         try:
+            self.engine.model.stop_training = False
+            self.callbacks.on_train_begin()
+            for hook in self.hooks:
+                if hook.next_update_step(step) == step:
+                    hook.update(step)
             while step < self.settings.total_steps and not self.engine.model.stop_training:
                 step, last_eval = self._epoch(step, preemption)
             if self.evaluate is not None and last_eval is None:  # resumed a finished run
@@ -169,37 +183,64 @@ class Loop:
     def _call(self, iterator, step: int, num_steps: int, preemption) -> tuple[dict, float]:
         started = time.perf_counter()
         result = self.engine.train(iterator, num_steps, stop_requested=preemption.received)
+        preemption.trained = True
         seconds = time.perf_counter() - started
         step += num_steps
         if result.stop_requests:
             # Every worker sees the same reduced value, so all save at this step.
             self._save(step)
-            where = self.checkpoints.directory if self.checkpoints else "nowhere (no model_dir)"
+            # A peer only learns that some worker asked (one summed number): SIGTERM, the
+            # preemption notice, is what reaches one worker alone (^C reaches a terminal's all).
+            who = f"{preemption.name or 'SIGTERM'} on a worker"
+            if self.checkpoints is None:
+                raise Preempted(f"{who}: stopped at step {step}; nothing saved (no model_dir)")
             raise Preempted(
-                f"SIGTERM on a worker: checkpoint saved at step {step} in {where}; "
-                "run the same command again to resume"
+                f"{who}: checkpoint saved at step {step} in {self.checkpoints.location}; {self._resume_how()}"
             )
         if not self._first_call:  # the first call traces and compiles: not throughput
             self._steady_examples += num_steps * self.settings.global_batch_size
             self._steady_seconds += seconds
         self._first_call = False
         if result.nonfinite_steps and not self.dynamic_scaling:
-            where = (
-                f"the last good checkpoint in {self.checkpoints.directory} is kept; "
-                if self.checkpoints
-                else ""
-            )
             compute = ", ".join(sorted(precision.model_compute_dtypes(self.engine.model)))
             raise TrainingDiverged(
                 f"loss became non-finite at step {step} computing in {compute} (loss scale: "
-                f"{precision.loss_scale_mode(self.optimizer)}); training stopped, {where}lower the learning rate"
+                f"{precision.loss_scale_mode(self.optimizer)}); training stopped, {self._kept()}"
+                "lower the learning rate"
             )
         if self.dynamic_scaling and precision.current_loss_scale(self.optimizer) < 1.0:
             raise TrainingDiverged(
                 f"loss scale fell below 1 at step {step}: gradients are non-finite "
-                "even unscaled; lower the learning rate"
+                f"even unscaled; training stopped, {self._kept()}lower the learning rate"
             )
         return result.metrics, seconds
+
+    def _kept(self) -> str:
+        """Which checkpoint a diverged run keeps (none may exist yet)."""
+        if self.checkpoints is None:
+            return ""
+        if self.checkpoints.saved_step is None:
+            return f"no checkpoint was saved yet in {self.checkpoints.location}; "
+        return (
+            f"the checkpoint of step {self.checkpoints.saved_step} in {self.checkpoints.location} is kept; "
+        )
+
+    def _resume_how(self) -> str:
+        if self.resume_command:
+            return f"resume with: {self.resume_command}"
+        return "run the same command again to resume"
+
+    def _resume_clause(self) -> str:
+        """What a resume starts from now (said by `_StopSignals` when it stops at once)."""
+        if self.checkpoints is None:
+            return "nothing is saved (no model_dir)"
+        if self.checkpoints.saved_step is None:
+            rerun = f": {self.resume_command}" if self.resume_command else ""
+            return f"no checkpoint is saved in {self.checkpoints.location} yet, so a rerun starts from step 0{rerun}"
+        return (
+            f"a resume starts from the checkpoint of step {self.checkpoints.saved_step} in "
+            f"{self.checkpoints.location}; {self._resume_how()}"
+        )
 
     def _log_scalars(self, step: int, logs: dict, examples_per_sec: float) -> None:
         values = dict(logs)
@@ -225,19 +266,103 @@ class Loop:
             self.checkpoints.save(step)
 
 
-class _PreemptionNotice:
-    """Notes SIGTERM (a scheduler's preemption notice) instead of dying mid-step."""
+class _StopSignals:
+    """Notes SIGTERM (a scheduler's preemption notice), and SIGINT if asked, instead of dying mid-step.
 
-    def __init__(self):
+    The first signal asks every worker to checkpoint after the step it is in (Engine.train
+    reduces the request over the workers). A second one stops the process at once (exit
+    128 + the signal's number), and so does a first one on a single worker that has not
+    finished a step yet (exit 42: nothing trained to save, the checkpoint it restored is still
+    the newest), each with one line saying what a resume starts from. Another kind of signal
+    within a second of the first is the same request by another route, not a second one: ^C
+    in a terminal reaches a launched worker directly (SIGINT) and as the launcher's SIGTERM.
+    Python runs handlers only between the main thread's bytecodes, and that thread sits
+    inside TensorFlow for a whole step (forever, if the step hangs), so a thread woken through
+    `signal.set_wakeup_fd` acts instead; the Python handlers do nothing.
+    """
+
+    SAME_REQUEST_SECONDS = 1.0
+
+    def __init__(
+        self,
+        signums,
+        resume_clause: Callable[[], str],
+        single_worker: bool,
+        exit=os._exit,
+        clock=time.monotonic,
+    ):
         self.received = False
-        self._previous = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._note)
+        self.name = None  # the signal this worker got
+        self.trained = False  # set by the loop once a step finished
+        self.seen = 0  # signals acted on, for tests
+        self._resume_clause, self._single_worker = resume_clause, single_worker
+        self._exit, self._clock, self._first_at = exit, clock, 0.0
+        self._previous, self._thread = {}, None
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous = {signum: signal.signal(signum, _noted_by_thread) for signum in signums}
+        self._previous_wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="tfmp-stop-signals", daemon=True)
+        self._thread.start()
 
-    def _note(self, signum, frame):
-        logging.warning("SIGTERM received: checkpointing with every worker after this execution")
-        self.received = True
+    def _watch(self):
+        while True:
+            byte = os.read(self._read_fd, 1)
+            if not byte or byte[0] == 0:  # restore()'s sentinel: no signal has number 0
+                return
+            if byte[0] in self._previous:
+                self._note(signal.Signals(byte[0]))
+
+    def _note(self, signum: signal.Signals) -> None:
+        again = "press ^C again" if signum == signal.SIGINT else f"send {signum.name} again"
+        self.seen += 1
+        if (
+            self.received
+            and signum.name != self.name
+            and self._clock() - self._first_at < self.SAME_REQUEST_SECONDS
+        ):
+            return
+        if self.received:
+            self._stop_now(
+                f"interrupted: a second {signum.name}, stopped at once without saving; {self._resume_clause()}",
+                128 + signum,
+            )
+        elif self._single_worker and not self.trained:
+            self._stop_now(
+                f"preempted: {signum.name} before the first step finished, nothing trained to save; "
+                f"{self._resume_clause()}",
+                EXIT_PREEMPTED,
+            )
+        else:
+            self.name, self.received, self._first_at = signum.name, True, self._clock()
+            logging.warning(
+                "%s received: saving a checkpoint with every worker after this step, then stopping "
+                "(exit 42); %s to stop at once",
+                signum.name,
+                again,
+            )
+
+    def _stop_now(self, message: str, code: int) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        self._exit(code)
 
     def restore(self):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        if self._thread is None:
+            return
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(self._previous_wakeup)
+        os.write(self._write_fd, b"\0")
+        self._thread.join()
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+        self._thread = None
+
+
+def _noted_by_thread(signum, frame):
+    """The Python-level handler; `_StopSignals._watch` acts on the signal."""

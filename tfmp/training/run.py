@@ -7,7 +7,8 @@
                                                        strategy="mirrored", cpu_replicas=2, epochs=1), TASK)
 
 Everything a user can get wrong is checked by `make_plan` before the model dir is created, so a
-bad command leaves nothing behind.
+bad command leaves nothing behind; so is a resume whose flags differ from the run's flags.txt
+in a way its checkpoint cannot take (`check_same_run`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tfmp import optim, precision, pruning, run_dir
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 from tfmp.pipeline import plan as pipeline
+from tfmp.training import checkpoint
 from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.config import TrainConfig
 from tfmp.training.engine import Engine
@@ -34,49 +36,38 @@ from tfmp.training.reporting import Reporter
 from tfmp.training.task import Task
 
 
-def train_and_evaluate(config: TrainConfig, task: Task, resolved_flags: str | None = None) -> dict:
+def train_and_evaluate(
+    config: TrainConfig, task: Task, resolved_flags: str | None = None, resume_command: str | None = None
+) -> dict:
     """Trains and evaluates per `config`; returns the summary (also printed as one line).
 
     `task` (default: image classification) owns what differs between tasks: the model
     registry, the dataset, compiling the model, the input pipelines and the eval metrics.
-    Raises UsageError for input a user must fix (before anything is written) and
-    TrainingDiverged when the loss becomes non-finite without a loss scaler to skip the step.
+    `resolved_flags` (a flagfile's text) is saved as the run's flags.txt, and a resume is
+    checked against the saved one; `resume_command` is the command line the messages on
+    stopping (SIGTERM, ^C) name. Raises UsageError for input a user must fix (before anything
+    is written), TrainingDiverged when the loss becomes non-finite without a loss scaler to
+    skip the step, and Preempted after saving a checkpoint on SIGTERM or SIGINT.
     """
     plan = make_plan(config, task)
+    # One absolute path from here on: `~` expanded (from a flagfile no shell expands it), and
+    # nothing depends on the working directory any more. Only the chief writes there.
+    shown_dir = config.checkpointing.model_dir
+    if shown_dir is None:
+        shown_dir = default_model_dir(config)
+    if plan.topology.is_chief:
+        model_dir = run_dir.writable_dir(shown_dir, "--model_dir")
+    else:
+        model_dir = os.path.abspath(os.path.expanduser(shown_dir))
+    if checkpoint.has_checkpoint(model_dir):
+        check_same_run(model_dir, shown_dir, config, resolved_flags)
     if plan.warning:
         logging.warning("%s", plan.warning)
         if config.verbose and plan.topology.is_chief:
             print(f"WARNING: {plan.warning}", flush=True)
     keras.utils.set_random_seed(config.seed)
-    optimizer = build_optimizer(config, plan)
-    model = build_model(config, plan, task)
-    stages = None
-    if config.pipeline.pipeline_stages > 1:
-        stages = pipeline.plan(
-            model,
-            pipeline.stage_devices(config.pipeline.pipeline_stages),
-            config.pipeline.micro_batches,
-            list(config.pipeline.pipeline_boundaries) or None,
-            config.pipeline.pipeline_balance,
-        )
-        with plan.strategy.scope():
-            pipeline.place(model, stages)  # before compile: optimizer slots follow their variables
-        stages.check_batch(plan.per_replica_batch)
-    task.compile(model, optimizer, plan)
-    engine = Engine(
-        plan.strategy,
-        model,
-        optimizer,
-        xla=plan.use_xla,
-        gradients=pipeline.gradients_fn(stages) if stages else None,
-        forward=pipeline.forward_fn(stages) if stages else None,
-    )
-    pruner = None
-    if plan.prune_schedule is not None:
-        with plan.strategy.scope():  # masks become mirrored, like the kernels
-            pruner = pruning.Pruner(model, plan.prune_schedule)
+    model, engine, stages, pruner = _build(config, plan, task)
     # Validation is over: from here on the run writes files.
-    model_dir = config.checkpointing.model_dir or default_model_dir(config)
     if plan.topology.is_chief:
         os.makedirs(model_dir, exist_ok=True)
     task_id = getattr(getattr(plan.strategy, "cluster_resolver", None), "task_id", 0) or 0
@@ -125,6 +116,8 @@ def train_and_evaluate(config: TrainConfig, task: Task, resolved_flags: str | No
             evaluate=evaluate,
             hooks=(pruner,) if pruner else (),
             scalars=(lambda: _sparsity_scalars(pruner)) if pruner else None,
+            resume_command=resume_command,
+            stop_on_interrupt=True,
         ).run(start_step)
         del data_for_epoch, evaluate
         distribute.release_input_pipelines()
@@ -138,6 +131,122 @@ def train_and_evaluate(config: TrainConfig, task: Task, resolved_flags: str | No
         checkpoints.close()
     distribute.barrier(plan.strategy)  # last: after it a worker only returns and exits
     return summary
+
+
+def _build(config: TrainConfig, plan: Plan, task: Task) -> tuple:
+    """(model, engine, pipeline stages or None, pruner or None), compiled in the run's strategy."""
+    optimizer = build_optimizer(config, plan)
+    model = build_model(config, plan, task)
+    stages = None
+    if config.pipeline.pipeline_stages > 1:
+        stages = pipeline.plan(
+            model,
+            pipeline.stage_devices(config.pipeline.pipeline_stages),
+            config.pipeline.micro_batches,
+            list(config.pipeline.pipeline_boundaries) or None,
+            config.pipeline.pipeline_balance,
+        )
+        with plan.strategy.scope():
+            pipeline.place(model, stages)  # before compile: optimizer slots follow their variables
+        stages.check_batch(plan.per_replica_batch)
+    task.compile(model, optimizer, plan)
+    engine = Engine(
+        plan.strategy,
+        model,
+        optimizer,
+        xla=plan.use_xla,
+        gradients=pipeline.gradients_fn(stages) if stages else None,
+        forward=pipeline.forward_fn(stages) if stages else None,
+    )
+    pruner = None
+    if plan.prune_schedule is not None:
+        with plan.strategy.scope():  # masks become mirrored, like the kernels
+            pruner = pruning.Pruner(model, plan.prune_schedule)
+    return model, engine, stages, pruner
+
+
+# Flags a resumed run may change. They decide how long it runs, how fast and on what (the
+# strategy and replicas too: checkpoints hold no device placement, so a run may resume on
+# other hardware), how often it saves and reports, where the same data live, and the learning
+# rate's schedule (computed from the flags at every start, never saved: "lower the learning
+# rate" is what a divergence's message advises, and apps.detect derives --warmup_steps from
+# --steps). --global_batch_size is checked against the checkpoint itself, which names both
+# sizes. Every other flag must match the run's flags.txt: it shapes the variables or their
+# dtypes (model, image_size, dataset's classes, precision, float32_layers), the optimizer's
+# slots (optimizer, loss_scale), the pruning masks, the pipeline's stages, or what data a saved
+# step stands for (dataset, steps_per_epoch, seed, augment), and a run with mixed flags would
+# have a flags.txt that reproduces neither half.
+RESUMABLE_CHANGES = frozenset(
+    {
+        "model_dir",  # the same directory, spelt relative, absolute or with ~
+        "steps",
+        "epochs",
+        "learning_rate",
+        "weight_decay",
+        "lr_scaling",
+        "reference_batch_size",
+        "warmup_steps",
+        "lr_decay",
+        "global_batch_size",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "strategy",
+        "cpu_replicas",
+        "steps_per_execution",
+        "xla",
+        "startup_timeout",
+        "intra_op_threads",
+        "inter_op_threads",
+        "data_threads",
+        "data_dir",
+        "cache",
+        "score_threshold",  # detection's evaluation only
+        "max_detections",
+    }
+)
+
+
+def flag_values(config: TrainConfig) -> dict[str, str]:
+    """Flag name -> the value as flags.txt spells it (`--name=value`); unset (None) ones left out."""
+    values = {}
+    for name, value in config.flat().items():
+        if value is not None:
+            values[name] = ",".join(value) if isinstance(value, tuple) else str(value)  # list flags
+    return values
+
+
+def check_same_run(
+    model_dir: str, shown_dir: str, config: TrainConfig, resolved_flags: str | None = None
+) -> None:
+    """A UsageError naming every flag this command changes that a resume of the run in
+    `model_dir` cannot take (see RESUMABLE_CHANGES); nothing if the run saved no flags.txt.
+
+    Checked before anything is restored, so the user reads one line instead of TensorFlow's
+    mismatched tensor shapes. `shown_dir` is the directory as the user spelt it.
+    """
+    saved = run_dir.read_flags(model_dir)
+    if not saved:
+        return
+    if resolved_flags:
+        lines = (line.strip().partition("=") for line in resolved_flags.splitlines())
+        now = {name[2:]: value for name, equals, value in lines if name.startswith("--") and equals}
+    else:  # a library call: only the flags the run saved can be compared
+        now = {name: value for name, value in flag_values(config).items() if name in saved}
+    changed = sorted(
+        name for name in (set(saved) | set(now)) - RESUMABLE_CHANGES if saved.get(name) != now.get(name)
+    )
+    if not changed:
+        return
+
+    def spelt(values: dict, name: str) -> str:
+        return f"--{name}={values[name]}" if name in values else f"no --{name}"
+
+    raise UsageError(
+        f"{shown_dir} was trained with {', '.join(spelt(saved, name) for name in changed)}, this command "
+        f"says {', '.join(spelt(now, name) for name in changed)}; resume with the run's flags "
+        f"({os.path.join(shown_dir, run_dir.FLAGS_FILE)}) or use a fresh --model_dir"
+    )
 
 
 def build_optimizer(config: TrainConfig, plan: Plan) -> keras.optimizers.Optimizer:
