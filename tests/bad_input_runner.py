@@ -22,12 +22,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def snapshot(tree: str) -> dict[str, float]:
+def snapshot(tree: str) -> dict[str, int | None]:
+    """Every path under `tree`: a file's modification time, None for a directory (whose time
+    moves when something is created and removed in it, e.g. the write probe of
+    `tfmp.run_dir.writable_dir`, which leaves nothing behind)."""
     found = {}
     for folder, directories, files in os.walk(tree):
-        for name in directories + files:
-            path = os.path.join(folder, name)
-            found[path] = os.lstat(path).st_mtime_ns
+        found.update({os.path.join(folder, name): None for name in directories})
+        found.update(
+            {os.path.join(folder, name): os.lstat(os.path.join(folder, name)).st_mtime_ns for name in files}
+        )
     return found
 
 
@@ -70,7 +74,7 @@ def main(cases_path: str, results_path: str) -> None:
             run_child(app, module, case, workdir, stdout, stderr)
         _, status = os.waitpid(child, 0)
         after = snapshot(tree)
-        written = sorted(path for path, stamp in after.items() if before.get(path) != stamp)
+        written = sorted(path for path, stamp in after.items() if path not in before or before[path] != stamp)
         with open(stdout, encoding="utf-8") as out, open(stderr, encoding="utf-8") as err:
             results.append(
                 {
