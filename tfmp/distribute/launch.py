@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     options, command = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not command:
         parser.error("the worker command after -- is empty")
-    os.environ[LAUNCH_COMMAND_ENV] = shlex.join(["python", "-m", "tfmp.launch", *argv])
+    os.environ[LAUNCH_COMMAND_ENV] = shlex.join([sys.executable, "-m", "tfmp.launch", *argv])
     try:
         _check_options(options, command)
         if options.workers:
