@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from conftest import ROOT, finish, run_python, start_python
+from conftest import ROOT, run_python
 
 pytestmark = pytest.mark.slow  # each test starts TensorFlow in a new process
 
@@ -71,46 +71,7 @@ def test_apps_on_mocked_tfds(tmp_path, app, dataset, extra):
     assert card["dataset"].startswith(dataset)
 
 
-# (flags, TF_CONFIG, the message the one `error:` line must contain)
-USER_ERRORS = [
-    (
-        ["--strategy=mirrored", "--cpu_replicas=3", "--global_batch_size=64"],
-        None,
-        "global batch 64 is not divisible by 3 replicas",
-    ),
-    (["--mixed", "--precision=float32"], None, "--mixed conflicts with --precision=float32"),
-    (["--no_such_flag=1"], None, "no_such_flag"),
-    (
-        [],
-        '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}',
-        "TF_CONFIG task index 3 is out of range for 1 worker",
-    ),
-]
-
-
-@pytest.fixture(scope="module")
-def user_error_runs(tmp_path_factory):
-    """Every case of USER_ERRORS started at once: each is a TensorFlow start that waits on
-    nothing else, so side by side they take the time of a few instead of the sum."""
-    base = tmp_path_factory.mktemp("user_errors")
-    started = []
-    for index, (args, tf_config, _) in enumerate(USER_ERRORS):
-        model_dir = base / f"run{index}"
-        env = {"TF_CONFIG": tf_config} if tf_config else None
-        process = start_python(["-m", "apps.classify", *args, f"--model_dir={model_dir}"], env=env)
-        started.append((model_dir, process))
-    return [(model_dir, finish(process)) for model_dir, process in started]
-
-
-@pytest.mark.parametrize("case", range(len(USER_ERRORS)), ids=[message for *_, message in USER_ERRORS])
-def test_user_errors_exit_2_with_one_line(user_error_runs, case):
-    message = USER_ERRORS[case][2]
-    model_dir, result = user_error_runs[case]
-    assert result.returncode == 2, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    assert not model_dir.exists()
+# User errors (bad flags, combinations, TF_CONFIG): tests/test_bad_inputs.py's table.
 
 
 def test_every_config_parses_with_its_app():
