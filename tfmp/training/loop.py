@@ -203,10 +203,16 @@ class Loop:
         self._first_call = False
         if result.nonfinite_steps and not self.dynamic_scaling:
             compute = ", ".join(sorted(precision.model_compute_dtypes(self.engine.model)))
+            mode = precision.loss_scale_mode(self.optimizer)
+            # A fixed scale too large for float16's gradients overflows however small the rate.
+            fix = (
+                "lower the loss scale or use --loss_scale=dynamic"
+                if mode.startswith("fixed")
+                else "lower the learning rate"
+            )
             raise TrainingDiverged(
                 f"loss became non-finite at step {step} computing in {compute} (loss scale: "
-                f"{precision.loss_scale_mode(self.optimizer)}); training stopped, {self._kept()}"
-                "lower the learning rate"
+                f"{mode}); training stopped, {self._kept()}{fix}"
             )
         if self.dynamic_scaling and precision.current_loss_scale(self.optimizer) < 1.0:
             raise TrainingDiverged(
