@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import sys
 import tempfile
 import warnings
@@ -58,12 +59,21 @@ class _HeldBackStart:
         self.saved = os.dup(2)
         os.dup2(self.captured.fileno(), 2)
         atexit.register(self.release, True)
+        # ^C while the modules import: one line, not a KeyboardInterrupt traceback from deep
+        # inside TensorFlow's import; `run` hands SIGINT back to Python before `main`.
+        signal.signal(signal.SIGINT, self._interrupted)
 
-    def release(self, show: bool) -> None:
+    def _interrupted(self, signum, frame):
+        self.release(show=False, probe=False)
+        print("interrupted: stopped while starting; nothing was written", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+
+    def release(self, show: bool, probe: bool = True) -> None:
         if self.saved is None:
             return
-        if "tensorflow" in sys.modules:  # CUDA's probe, and its cuInit line, happen here
-            sys.modules["tensorflow"].config.list_physical_devices("GPU")
+        config = getattr(sys.modules.get("tensorflow"), "config", None)  # None: not (fully) imported
+        if config is not None and probe:  # CUDA's probe, and its cuInit line, happen here
+            config.list_physical_devices("GPU")
         sys.stderr.flush()
         os.dup2(self.saved, 2)
         os.close(self.saved)
@@ -138,6 +148,7 @@ def run(main, positional_arguments: bool = False) -> None:
     """
 
     def guarded(argv):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on
         _quiet_tensorflow()
         if len(argv) > 1 and not positional_arguments:
             print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value", file=sys.stderr)

@@ -7,8 +7,10 @@ user's shell would.
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT
@@ -79,3 +81,15 @@ def test_verbosity_shows_them_again(started):
     _, stderr, returncode = started["verbose"]
     assert returncode == 2 and "error: unknown model 'nope'" in stderr
     assert CPP_LOG_LINE.search(stderr), stderr[-3000:]
+
+
+def test_interrupt_while_starting_is_one_line_and_writes_nothing(tmp_path):
+    """^C while the app imports TensorFlow (a second in; the import takes several): exit 130,
+    one line, no KeyboardInterrupt traceback from inside the import, no run directory."""
+    process = _start(["-m", "apps.classify", "--steps=2", "--model_dir=run"], tmp_path)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    assert stderr.strip() == "interrupted: stopped while starting; nothing was written", stderr[-3000:]
+    assert not (tmp_path / "run").exists()
