@@ -58,6 +58,12 @@ flags.DEFINE_list(
     "--diagnose_precision recommends.",
 )
 flags.DEFINE_bool(
+    "fused_norm",
+    True,
+    "BatchNormalization on TensorFlow's fused kernel (half precision in and out, float32 statistics); "
+    "--nofused_norm runs Keras' own layer, to compare.",
+)
+flags.DEFINE_bool(
     "diagnose_precision",
     False,
     "Run the precision doctor instead of training: per-layer float16/bfloat16 overflow, underflow and "

@@ -21,9 +21,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import tfmp  # noqa: E402
+from tfmp.classification.task import TASK  # noqa: E402
 from tfmp.errors import UsageError  # noqa: E402
-from tfmp.precision.fused_norm import fuse_normalization, is_fused  # noqa: E402
+from tfmp.precision.fused_norm import fuse_normalization, is_fused, unfused  # noqa: E402
+from tfmp.training.config import TrainConfig  # noqa: E402
 from tfmp.training.engine import Engine  # noqa: E402
+from tfmp.training.plan import make_plan  # noqa: E402
+from tfmp.training.run import build_model, train_and_evaluate  # noqa: E402
 
 POLICIES = ["float32", "mixed_float16", "mixed_bfloat16"]
 SHAPE = (4, 6, 6, 8)  # NHWC
@@ -394,6 +399,49 @@ def test_a_masked_call_runs_keras_own_computation():
     rng = np.random.default_rng(3)
     x, mask = rng.normal(0, 1, shape).astype(np.float32), rng.random(shape[:3]) > 0.3
     np.testing.assert_array_equal(fused(x, training=True, mask=mask), reference(x, training=True, mask=mask))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_norm", "nofused_norm"])
+def test_runs_fuse_their_builders_batch_norms_unless_told_not_to(tmp_path, fused):
+    """tfmp's runs fuse every BatchNormalization of the built model (resnet20: 19) by default,
+    say so in the run card, and `--nofused_norm` leaves Keras' layer in place to compare."""
+    config = TrainConfig.from_flat(
+        model="resnet20",
+        dataset="synthetic",
+        image_size=8,
+        global_batch_size=8,
+        steps=1,
+        steps_per_epoch=1,
+        precision="mixed_bfloat16",
+        fused_norm=fused,
+        strategy="default",
+        model_dir=str(tmp_path),
+        verbose=False,
+    )
+    plan = make_plan(config, TASK)
+    model = build_model(config, plan, TASK)
+    norms = [layer for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)]
+    assert len(norms) == 19 and all(is_fused(layer) == fused for layer in norms)
+    assert unfused(model) == (() if fused else tuple(f"{model.name}/{layer.name}" for layer in norms))
+    train_and_evaluate(config, TASK)
+    card = json.load(open(tmp_path / "run_card.json"))["batch normalization"]
+    assert card == ("19 on the fused kernel" if fused else "19 on Keras' layer (--nofused_norm)")
+
+
+def test_fit_tells_once_what_fusing_would_change(tmp_path, caplog):
+    model = tiny_conv_model()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    images = np.zeros((GLOBAL_BATCH, *IMAGE), np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((images, np.zeros(GLOBAL_BATCH, np.int32))).batch(ROWS)
+    for _ in range(2):
+        tfmp.fit(model, dataset, epochs=1, model_dir=str(tmp_path / "run"), verbose=0)
+    hints = [record.getMessage() for record in caplog.records if "fuse_normalization" in record.getMessage()]
+    assert len(hints) == 1 and hints[0].startswith("tfmp: 2 BatchNormalization layer(s) run Keras' layer;")
+    card = json.load(open(tmp_path / "run" / "run_card.json"))["batch normalization"]
+    assert card.startswith("2 layer(s) on Keras' layer; tfmp.fuse_normalization(model) before fit")
+    fuse_normalization(model)
+    tfmp.fit(model, dataset, epochs=1, model_dir=str(tmp_path / "fused"), verbose=0)
+    assert "batch normalization" not in json.load(open(tmp_path / "fused" / "run_card.json"))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,24 @@ def fuse_normalization(model) -> FusedNormalization:
     return FusedNormalization(tuple(fused), tuple(left_alone))
 
 
+def unfused(model: keras.Model) -> tuple[str, ...]:
+    """Paths of the BatchNormalization layers `fuse_normalization` would fuse and has not."""
+    return tuple(
+        path for path, layer in _batch_norms(model) if unfusable_reason(layer) is None and not is_fused(layer)
+    )
+
+
+def status(model: keras.Model) -> FusedNormalization:
+    """What is fused in `model` now, and what `fuse_normalization` leaves alone (changes nothing)."""
+    layers = list(_batch_norms(model))
+    return FusedNormalization(
+        tuple(path for path, layer in layers if is_fused(layer)),
+        tuple(
+            (path, unfusable_reason(layer)) for path, layer in layers if unfusable_reason(layer) is not None
+        ),
+    )
+
+
 def is_fused(layer) -> bool:
     """Whether `layer` runs `fuse_normalization`'s fused call."""
     call = vars(layer).get("call")

@@ -58,6 +58,9 @@ class PrecisionConfig:
     # Regexes (full match) of layers built with the float32 policy whatever `policy` is: what
     # the precision doctor (`--diagnose_precision`) recommends. () = the builders' own choice.
     float32_layers: tuple[str, ...] = ()
+    # BatchNormalization on TensorFlow's fused kernel (tfmp.precision.fuse_normalization):
+    # half-precision activations stay half, statistics float32, Keras' numbers within rounding.
+    fused_norm: bool = True
 
 
 @dataclasses.dataclass

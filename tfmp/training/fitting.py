@@ -47,6 +47,7 @@ from absl import logging
 from tfmp import compat, precision, run_dir
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
+from tfmp.precision import fused_norm
 from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.engine import Engine
 from tfmp.training.loop import Loop, LoopSettings
@@ -314,9 +315,21 @@ def build_for_data(model: keras.Model, strategy, element_spec) -> None:
         ) from None
 
 
+FUSE_HINT = (
+    "tfmp.fuse_normalization(model) before fit would compute them with TensorFlow's fused kernel: "
+    "half-precision activations stay half (Keras' layer keeps float32 copies for the backward pass), "
+    "the same numbers within rounding, the same weights and .keras file"
+)
+_hinted = set()  # models told once about unfused BatchNormalization
+
+
 def prepare(model: keras.Model, xla: bool = False) -> tuple[tf.distribute.Strategy, Engine, str | None]:
     """Strategy, engine and loss-scaling note for a compiled model (shared by fit and evaluate)."""
     _check_compiled(model)
+    unfused = fused_norm.unfused(model)
+    if unfused and id(model) not in _hinted:
+        _hinted.add(id(model))
+        logging.warning("tfmp: %d BatchNormalization layer(s) run Keras' layer; %s", len(unfused), FUSE_HINT)
     strategy = model_strategy(model)
     optimizer, note = precision.ensure_loss_scaling(model, strategy)
     if optimizer is not model.optimizer:
@@ -545,6 +558,9 @@ def run_card(
     }
     if note:
         card["tfmp changed"] = note
+    unfused = fused_norm.unfused(model)
+    if unfused:
+        card["batch normalization"] = f"{len(unfused)} layer(s) on Keras' layer; {FUSE_HINT}"
     return card
 
 

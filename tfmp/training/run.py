@@ -26,6 +26,7 @@ from tfmp import optim, precision, pruning, run_dir
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 from tfmp.pipeline import plan as pipeline
+from tfmp.precision import fused_norm
 from tfmp.training import checkpoint
 from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.config import TrainConfig
@@ -201,6 +202,7 @@ RESUMABLE_CHANGES = frozenset(
         "data_threads",
         "data_dir",
         "cache",
+        "fused_norm",  # the same variables either way: only the kernel that computes them
         "score_threshold",  # detection's evaluation only
         "max_detections",
     }
@@ -263,10 +265,22 @@ def build_optimizer(config: TrainConfig, plan: Plan) -> keras.optimizers.Optimiz
 def build_model(config: TrainConfig, plan: Plan, task: Task) -> keras.Model:
     """The task's model, with the layers `--float32_layers` names rebuilt in float32."""
     model = task.build_model(config, plan)
-    if not config.precision.float32_layers:
-        return model
-    with plan.strategy.scope():  # the copy's variables belong to the run's strategy too
-        return precision.float32_layers(model, config.precision.float32_layers)
+    if config.precision.float32_layers:
+        with plan.strategy.scope():  # the copy's variables belong to the run's strategy too
+            model = precision.float32_layers(model, config.precision.float32_layers)
+    if config.precision.fused_norm:  # after the copy above: copies come back unfused
+        precision.fuse_normalization(model)
+    return model
+
+
+def _normalization_card(model: keras.Model) -> dict:
+    """Which BatchNormalization layers run on the fused kernel (--fused_norm), and why not the rest."""
+    state, unfused = fused_norm.status(model), fused_norm.unfused(model)
+    rows = [f"{len(state.fused)} on the fused kernel"] if state.fused else []
+    if unfused:
+        rows.append(f"{len(unfused)} on Keras' layer (--nofused_norm)")
+    rows += [f"{path} on Keras' layer: {reason}" for path, reason in state.left_alone]
+    return {"batch normalization": "; ".join(rows)} if rows else {}
 
 
 def _float32_layers_card(config: TrainConfig, model: keras.Model) -> dict:
@@ -288,6 +302,7 @@ def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir
         "compute dtype": precision.compute_dtype(plan.policy),
         "variable dtype": keras.DTypePolicy(plan.policy).variable_dtype,
         **_float32_layers_card(config, model),
+        **_normalization_card(model),
         **task_rows,  # head and output dtypes, the loss
         "loss scale": f"{precision.loss_scale_mode(optimizer)}, now {precision.current_loss_scale(optimizer):g}",
         "strategy": f"{plan.topology.strategy} ({config.distribution.strategy})",
