@@ -173,19 +173,9 @@ def _coco_categories(categories, where) -> tuple[tuple[str, ...], dict]:
         raise UsageError(f"{where} has an empty categories list; list the object classes there")
     seen = {}
     for index, category in enumerate(categories):
-        name = _entry_name("categories", index, category)
-        if not _is_id(category.get("id")):
-            raise UsageError(
-                f"{where}: {name} has {_bad_field(category, 'id')}; give each category an integer id"
-            )
-        if category["id"] in seen:
-            raise UsageError(
-                f"{where}: {name} repeats the id of categories[{seen[category['id']]}]; "
-                "give each category its own id"
-            )
+        name = _unique_id("categories", "category", index, category, seen, where)
         if not isinstance(category.get("name"), str) or not category["name"]:
             raise UsageError(f"{where}: {name} has {_bad_field(category, 'name')}; give each category a name")
-        seen[category["id"]] = index
     try:
         ordered = sorted(categories, key=lambda category: category["id"])
     except TypeError:
@@ -195,18 +185,9 @@ def _coco_categories(categories, where) -> tuple[tuple[str, ...], dict]:
 
 def _coco_images(images, where, image_folder) -> dict:
     """{image id: (index in images, file_name, (width, height) or None when not given)}."""
-    found = {}
+    found, seen = {}, {}
     for index, image in enumerate(images):
-        name = _entry_name("images", index, image)
-        if not _is_id(image.get("id")):
-            raise UsageError(
-                f"{where}: {name} has {_bad_field(image, 'id')}; give each image a unique integer id"
-            )
-        if image["id"] in found:
-            raise UsageError(
-                f"{where}: {name} repeats the id of images[{found[image['id']][0]}]; "
-                "give each image its own id"
-            )
+        name = _unique_id("images", "image", index, image, seen, where)
         if not isinstance(image.get("file_name"), str) or not image["file_name"]:
             raise UsageError(
                 f"{where}: {name} has {_bad_field(image, 'file_name')}; give each image "
@@ -223,6 +204,22 @@ def _coco_images(images, where, image_folder) -> dict:
             size = (float(width), float(height))
         found[image["id"]] = (index, image["file_name"], size)
     return found
+
+
+def _unique_id(kind: str, noun: str, index: int, entry: dict, seen: dict, where: str) -> str:
+    """The entry's name for messages; a UsageError unless its id is an integer not in `seen`
+    ({id: index}, which it joins)."""
+    name = _entry_name(kind, index, entry)
+    if not _is_id(entry.get("id")):
+        raise UsageError(
+            f"{where}: {name} has {_bad_field(entry, 'id')}; give each {noun} a unique integer id"
+        )
+    if entry["id"] in seen:
+        raise UsageError(
+            f"{where}: {name} repeats the id of {kind}[{seen[entry['id']]}]; give each {noun} its own id"
+        )
+    seen[entry["id"]] = index
+    return name
 
 
 def _box_problem(annotation, images, class_of) -> str | None:
