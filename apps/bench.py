@@ -2,13 +2,14 @@
 
     python -m apps.bench --flagfile=configs/bench_cpu_quick.cfg          # a few minutes on 2 cores
     python -m apps.bench --flagfile=configs/bench_parallelism_cpu.cfg    # detector, pipeline, threads
-    python -m apps.bench --flagfile=configs/bench_memory_cpu.cfg         # peak memory, fp32 vs mixed
+    python -m apps.bench --flagfile=configs/bench_memory_cpu.cfg         # live peak: fp32 vs mixed, fused BN
+    python -m apps.bench --flagfile=configs/bench_memory_batch_cpu.cfg   # largest batch in a budget
     python -m apps.bench --mode=inference --models=seed_cnn,resnet20 --precisions=float32,bfloat16,float16
     python -m apps.bench --models=resnet50 --precisions=float32,mixed_float16 --replicas=1,8 \\
         --image_size=224 --global_batch_size=128 --xla=off,on               # a GPU host
 
 Each cell runs in its own process, warm-up excluded, `--repeats` timed repeats (median and
-spread), with its peak memory (GPU allocator peak, or the process's peak RSS on CPUs). The
+spread), with its live peak memory (TensorFlow's allocator peak of live tensors, GPU or CPU). The
 matmul peak of each precision is the best of --peak_sizes x --peak_repeats, in a fresh process
 like the cells. Prints the table, writes bench.json (schema: docs/bench.md) and bench.png
 into --output_dir. Batch sizes are per 1-replica cell: N replicas or workers get N x the batch
@@ -27,6 +28,18 @@ call 10 vs 1, Python threads vs the GIL).
 backward in float32 and mixed_bfloat16, summed by layer class, against the Engine's step
 (timed with --steps_per_execution, --repeats, ...); prints the tables, writes layer_profile.json.
 
+--fused_norm=false,true measures each classifier both as built and with every
+BatchNormalization on the fused kernel (`tfmp.precision.fuse_normalization`), giving the ratio
+fused_vs_keras_norm (examples/s and live peak); --models also takes the plain Keras models
+keras_bn_cnn and keras_resnet (`tfmp.bench.keras_models`: keras.layers only, trained by tfmp's
+Engine). --bn_study adds one BatchNormalization alone, Keras' layer vs fused, forward + backward
+on a --bn_study_shape tensor in float32, mixed_bfloat16 and mixed_float16 (fused_vs_keras_bn).
+
+--mode=memory --memory_budget_mb=N finds, per model and precision, the largest global batch
+whose training step's live peak fits N MiB (`tfmp.bench.memory`: a line fitted through
+--memory_probe_batches, the predicted batch and the next step measured, a bisection if the
+prediction missed), and the mixed / float32 ratio of those batches; writes bench.json.
+
 --mode=inference exports each model in each --precisions (float32, float16, bfloat16, mixed,
 auto) as --export_formats and times every artifact next to the Keras model in float32: batch-1
 latency p50/p99, throughput at --global_batch_size, size on disk (`tfmp.bench.inference`).
@@ -36,6 +49,7 @@ from absl import flags, logging
 
 from apps import cli
 from tfmp.bench import matrix as bench
+from tfmp.bench import memory as bench_memory
 from tfmp.bench import report as bench_report
 from tfmp.bench import runner as bench_runner
 from tfmp.errors import UsageError
@@ -63,7 +77,11 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer("global_batch_size", 64, "Batch of a 1-replica cell (N replicas: N x).")
 flags.DEFINE_integer("steps_per_execution", 10, "Steps per host call (engine and Keras fit alike).")
-flags.DEFINE_string("mode", "train", "train, or inference (exported artifacts, tfmp.bench.inference).")
+flags.DEFINE_string(
+    "mode",
+    "train",
+    "train; inference (exported artifacts, tfmp.bench.inference); memory (largest batch in --memory_budget_mb).",
+)
 flags.DEFINE_list("export_formats", ["saved_model", "tflite", "keras"], "--mode=inference: formats to time.")
 flags.DEFINE_integer("image_size", 32, "Image size for shapes/synthetic data.")
 flags.DEFINE_integer("warmup_executions", 3, "Untimed host calls first (tracing, compiling, buffers).")
@@ -88,6 +106,21 @@ flags.DEFINE_list(
     "layer_profile", [], "Only profile these models' layers, float32 vs mixed_bfloat16 (layer_profile.json)."
 )
 flags.DEFINE_integer("layer_profile_repeats", 20, "--layer_profile: interleaved rounds (median of).")
+flags.DEFINE_list(
+    "fused_norm", ["false"], "Classifiers' BatchNormalization on the fused kernel: false, true (or both)."
+)
+flags.DEFINE_bool("bn_study", False, "Also time one BatchNormalization alone, Keras' layer vs fused.")
+flags.DEFINE_list(
+    "bn_study_shape", ["64", "48", "48", "64"], "--bn_study: the input (batch, height, width, C)."
+)
+flags.DEFINE_integer(
+    "bn_study_rounds", 20, "--bn_study: rounds timing Keras' layer and the fused one in turn."
+)
+flags.DEFINE_float("memory_budget_mb", 0, "--mode=memory: the live-peak budget (MiB) a batch must fit.")
+flags.DEFINE_list(
+    "memory_probe_batches", ["16", "32"], "--mode=memory: batches the live-peak line is fitted to."
+)
+flags.DEFINE_integer("memory_batch_step", 1, "--mode=memory: the batches tried are multiples of this.")
 
 
 def _integers(name: str) -> list[int]:
@@ -102,6 +135,14 @@ def _switches(name: str) -> list[bool]:
     for value in FLAGS[name].value:
         if value not in settings:
             raise UsageError(f"--{name} value {value!r} must be off or on (e.g. --{name}=off,on)")
+    return [settings[value] for value in FLAGS[name].value]
+
+
+def _booleans(name: str) -> list[bool]:
+    settings = {"false": False, "true": True}
+    for value in FLAGS[name].value:
+        if value not in settings:
+            raise UsageError(f"--{name} value {value!r} must be false or true (e.g. --{name}=false,true)")
     return [settings[value] for value in FLAGS[name].value]
 
 
@@ -137,6 +178,15 @@ def _layer_profile_main(config: bench.BenchConfig):
     print(f"wrote {config.output_dir}/layer_profile.json")
 
 
+def _memory_main(config: bench.BenchConfig):
+    report = bench_runner.run_memory_search(config, progress=lambda line: print(line, flush=True))
+    print()
+    print(bench_memory.table(report))
+    load = report["load_average"]
+    print(f"\nload average (1/5/15 min) before {load['before']}, after {load['after']}")
+    print(f"wrote {config.output_dir}/bench.json")
+
+
 def _config() -> bench.BenchConfig:
     return bench.BenchConfig(
         models=FLAGS.models,
@@ -169,6 +219,13 @@ def _config() -> bench.BenchConfig:
         peak_min_call_seconds=FLAGS.peak_min_call_seconds,
         layer_profile=FLAGS.layer_profile,
         layer_profile_repeats=FLAGS.layer_profile_repeats,
+        fused_norm=_booleans("fused_norm"),
+        bn_study=FLAGS.bn_study,
+        bn_study_shape=_integers("bn_study_shape"),
+        bn_study_rounds=FLAGS.bn_study_rounds,
+        memory_budget_mb=FLAGS.memory_budget_mb,
+        memory_probe_batches=_integers("memory_probe_batches"),
+        memory_batch_step=FLAGS.memory_batch_step,
     )
 
 
@@ -179,6 +236,8 @@ def main(argv):
     config = _config()
     if config.layer_profile:
         return _layer_profile_main(config)
+    if config.mode == "memory":
+        return _memory_main(config)
     report = bench_runner.run(config, progress=lambda line: print(line, flush=True))
     print()
     print(bench_report.table(report["cells"], report["ratios"]))

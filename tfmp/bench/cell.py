@@ -20,7 +20,10 @@ More kinds: `pipeline` (`tfmp.bench.pipeline.measure` rows, "model", "image_size
 "global_batch_size", "micro_batches", "steps", "repeats", "precision") and `python_threads`
 (`tfmp.bench.python_threads.measure`, "unit_seconds"), `layer_profile` (`tfmp.bench.layer_profile`:
 per-layer milliseconds in "policies" and the Engine step, "layer_repeats" and the engine keys)
-and `environment` (the names and hardware facts the parent plans with, `matrix.Environment`).
+`bn_study` (`tfmp.bench.bn_study`: one BatchNormalization's forward + backward, Keras' layer
+vs fused, "precision", "shape", "rounds") and `environment` (the names and hardware facts the
+parent plans with, `matrix.Environment`). Engine and fit cells take "fused_norm" (classifiers:
+`tfmp.precision.fuse_normalization` before compile, see `tfmp.bench.workloads`).
 The result is printed as one line: `BENCH_RESULT {json}`.
 """
 
@@ -39,7 +42,7 @@ import keras
 import tensorflow as tf
 
 from tfmp import models, precision
-from tfmp.bench import input_cost, layer_profile, python_threads, workloads
+from tfmp.bench import bn_study, input_cost, keras_models, layer_profile, python_threads, workloads
 from tfmp.bench import peak as bench_peak
 from tfmp.bench import pipeline as bench_pipeline
 from tfmp.bench.matrix import RESULT_PREFIX
@@ -53,6 +56,7 @@ def environment() -> dict:
     """What the parent (which never imports TensorFlow) needs to plan: `matrix.Environment`."""
     return {
         "classifiers": list(models.MODELS),
+        "keras_models": list(keras_models.MODELS),
         "detectors": [*retinanet.DETECTORS, *faster_rcnn.DETECTORS],
         "policies": {choice: precision.resolve(choice).policy for choice in precision.CHOICES},
         "gpus": [gpu.name for gpu in tf.config.list_physical_devices("GPU")],
@@ -193,6 +197,8 @@ def measure(cell: dict) -> dict:
         return python_threads.measure(cell["unit_seconds"])
     if cell["kind"] == "input_cost":
         return input_cost.measure(cell)
+    if cell["kind"] == "bn_study":
+        return bn_study.measure(cell["precision"], cell["shape"], cell["rounds"])
     # Before anything starts TensorFlow's runtime: it fixes its thread pools then.
     distribute.set_threads(cell.get("intra_op_threads", 0), cell.get("inter_op_threads", 0))
     if cell["kind"] == "pipeline":
@@ -232,6 +238,7 @@ def _measure_training(cell: dict) -> dict:
         "workers": distribute.describe(strategy).workers,
         **_speed(cell, model, repeats),
         **_memory(before_model),
+        "variables_mb": _variables_mb(model, optimizer),
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
         "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
         "paired_input": paired_input,
@@ -285,6 +292,13 @@ def _allocator_devices() -> list[str]:
     (logical CPU devices share it: its figure is every replica's together)."""
     gpus = tf.config.list_logical_devices("GPU")
     return [f"GPU:{index}" for index in range(len(gpus))] or ["CPU:0"]
+
+
+def _variables_mb(model, optimizer) -> float:
+    """MiB of the model's variables and the optimizer's (slots, step, loss scale): what the live
+    peak holds whatever the batch. One replica's copy of each variable."""
+    variables = {id(v): v for v in [*model.variables, *optimizer.variables]}.values()
+    return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in variables) / 2**20
 
 
 def _start_live_peak() -> None:

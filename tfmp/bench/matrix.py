@@ -19,6 +19,14 @@ threads vs the GIL). `layer_profile` (a list of model names) plans the cells of 
 (`runner.run_layer_profile`): each model's layers timed in float32 and mixed_bfloat16 at
 `image_size` and `global_batch_size` against the Engine's step (`tfmp.bench.layer_profile`).
 
+`fused_norm` (a list: [False], [True] or both) is a dimension of the classifiers' engine and fit
+cells: true runs `tfmp.precision.fuse_normalization` on the model before it is compiled
+(`tfmp.bench.workloads`); detectors are measured as built (false). `bn_study` adds one `bn_study`
+cell per BN_STUDY_PRECISIONS (`tfmp.bench.bn_study`: one BatchNormalization's forward + backward
+on a `bn_study_shape` tensor, Keras' layer and the fused one timed in turn). `mode="memory"`
+plans no matrix: `tfmp.bench.memory` searches each setting's largest batch under
+`memory_budget_mb` (`runner.run_memory_search`).
+
 This module runs in the parent process, which never imports TensorFlow (`tfmp.bench.runner`
 says why): what only TensorFlow knows (model names, what "auto" resolves to here) comes in as
 an `Environment` that a fresh cell process reports.
@@ -34,11 +42,13 @@ from tfmp.bench import threads as bench_threads
 from tfmp.errors import UsageError, unknown
 
 RESULT_PREFIX = "BENCH_RESULT "  # a cell process prints its result as one line: PREFIX + JSON
-MODES = ("train", "inference")
+MODES = ("train", "inference", "memory")
 DATA_KINDS = ("synthetic", "builtin")
 # The layer profile's policies: the reference first, then the one whose speedup it explains.
 LAYER_PROFILE_POLICIES = ("float32", "mixed_bfloat16")
 INPUT_COST_BATCHES = 10  # timed batches per pipeline and round of an input_cost cell
+# The BatchNormalization study's policies: float32, and both half types as the GPU guide has them.
+BN_STUDY_PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 
 
 @dataclasses.dataclass
@@ -74,6 +84,13 @@ class BenchConfig:
     peak_min_call_seconds: float = 0.5  # a timed peak call chains matmuls for at least this long
     layer_profile: list[str] = dataclasses.field(default_factory=list)  # [] = no layer profile
     layer_profile_repeats: int = 20  # interleaved rounds: each layer's time is their median
+    fused_norm: list[bool] = dataclasses.field(default_factory=lambda: [False])  # classifiers only
+    bn_study: bool = False
+    bn_study_shape: list[int] = dataclasses.field(default_factory=lambda: [64, 48, 48, 64])  # NHWC
+    bn_study_rounds: int = 20  # Keras' layer and the fused one timed in turn, this many times each
+    memory_budget_mb: float = 0  # mode="memory": the live-peak budget (MiB) a batch must fit
+    memory_probe_batches: list[int] = dataclasses.field(default_factory=lambda: [16, 32])  # the fit's
+    memory_batch_step: int = 1  # the batches tried are multiples of this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +103,7 @@ class Environment:
     gpus: list[str]
     cpu_fast_bfloat16: bool
     versions: dict[str, str]  # tensorflow, keras
+    keras_models: list[str] = dataclasses.field(default_factory=list)  # tfmp.bench.keras_models
 
     def is_detector(self, name: str) -> bool:
         return name in self.detectors
@@ -127,7 +145,13 @@ def check(config: BenchConfig) -> None:
             f"--peak_min_call_seconds={config.peak_min_call_seconds} must be a positive number of seconds, e.g. 0.5"
         )
     run_dir.writable_dir(config.output_dir, "--output_dir")
-    for flag in ("study_image_size", "study_batch_size", "threads_rounds", "layer_profile_repeats"):
+    for flag in (
+        "study_image_size",
+        "study_batch_size",
+        "threads_rounds",
+        "layer_profile_repeats",
+        "bn_study_rounds",
+    ):
         if getattr(config, flag) < 1:
             raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")
     for micro in config.pipeline_micro_batches:
@@ -136,13 +160,20 @@ def check(config: BenchConfig) -> None:
                 f"--pipeline_micro_batches value {micro} must be >= 1 and divide "
                 f"--study_batch_size={config.study_batch_size}"
             )
+    if not config.fused_norm:
+        raise UsageError("--fused_norm needs at least one value: false, true or false,true")
+    if len(config.bn_study_shape) != 4 or min(config.bn_study_shape) < 1:
+        raise UsageError(
+            f"--bn_study_shape={config.bn_study_shape} must be 4 sizes >= 1: batch, height, width, channels"
+        )
 
 
 def check_names(config: BenchConfig, environment: Environment) -> None:
     """Model and precision names, and what detectors need, against this installation."""
+    known = [*environment.classifiers, *environment.keras_models, *environment.detectors]
     for name in config.models + config.ratio_models + config.layer_profile:
-        if name not in environment.classifiers and not environment.is_detector(name):
-            raise unknown("model", name, [*environment.classifiers, *environment.detectors])
+        if name not in known:
+            raise unknown("model", name, known)
     for name in config.layer_profile:
         if environment.is_detector(name) and (config.image_size < 32 or config.image_size % 32):
             raise UsageError(
@@ -197,6 +228,16 @@ def study_cells(config: BenchConfig) -> list[dict]:
         )
         # A unit of Python work as long as a timed repeat of the engine cells.
         result.append(bench_threads.python_cell(config.min_repeat_seconds))
+    if config.bn_study:
+        result += [
+            {
+                "kind": "bn_study",
+                "precision": policy,
+                "shape": list(config.bn_study_shape),
+                "rounds": config.bn_study_rounds,
+            }
+            for policy in BN_STUDY_PRECISIONS
+        ]
     return result
 
 
@@ -225,12 +266,12 @@ def layer_profile_cells(config: BenchConfig) -> list[dict]:
     ]
 
 
-def cells(config: BenchConfig, environment: Environment) -> list[dict]:
-    """The measurements to take: engine cells, references, and one matmul peak per precision."""
-    base = {
+def shared_settings(config: BenchConfig) -> dict:
+    """The settings every engine and fit cell of the run shares."""
+    return {
         "data": config.data,
         "steps_per_execution": config.steps_per_execution,
-        "mode": config.mode,
+        "mode": "train" if config.mode == "memory" else config.mode,
         "image_size": config.image_size,
         "cache": config.cache,
         "warmup_executions": config.warmup_executions,
@@ -238,6 +279,22 @@ def cells(config: BenchConfig, environment: Environment) -> list[dict]:
         "min_repeat_seconds": config.min_repeat_seconds,
         "repeats": config.repeats,
     }
+
+
+def setting_groups(config: BenchConfig, environment: Environment, model: str):
+    """Each (precision, tf32, xla, fused_norm) setting of `model`'s cells."""
+    # Detectors are measured as built: fusing is a classifier dimension.
+    fused = [False] if environment.is_detector(model) else config.fused_norm
+    for precision in config.precisions:
+        # TF32 only changes float32 math; mixed policies are measured once.
+        for tf32 in config.tf32 if precision == "float32" else [True]:
+            for xla in config.xla:
+                for fused_norm in fused:
+                    yield dict(model=model, precision=precision, xla=xla, tf32=tf32, fused_norm=fused_norm)
+
+
+def cells(config: BenchConfig, environment: Environment) -> list[dict]:
+    """The measurements to take: engine cells, references, and one matmul peak per precision."""
     # One matmul peak per concrete policy ("auto" and "mixed" resolve to one of them here).
     policies = dict.fromkeys(environment.policies[p] for p in config.precisions)
     result = [
@@ -251,56 +308,47 @@ def cells(config: BenchConfig, environment: Environment) -> list[dict]:
         for policy in policies
     ]
     for model in config.models:
-        # Scaling and reference cells cost the most; --ratio_models limits them to some models.
-        ratios = not config.ratio_models or model in config.ratio_models
-        for precision in config.precisions:
-            # TF32 only changes float32 math; mixed policies are measured once.
-            for tf32 in config.tf32 if precision == "float32" else [True]:
-                for xla in config.xla:
-                    common = dict(base, model=model, precision=precision, xla=xla, tf32=tf32)
-                    for replicas in config.replicas:
-                        if replicas == 1 or ratios:
-                            result.append(
-                                dict(
-                                    common,
-                                    kind="engine",
-                                    replicas=replicas,
-                                    workers=0,
-                                    global_batch_size=config.global_batch_size * replicas,
-                                )
-                            )
-                    for workers in config.workers if ratios else []:
-                        result.append(
-                            dict(
-                                common,
-                                kind="engine",
-                                replicas=1,
-                                workers=workers,
-                                global_batch_size=config.global_batch_size * workers,
-                            )
-                        )
-                    # Keras fit would need the detector's own losses: detectors get the input reference only.
-                    if config.references and ratios and environment.is_detector(model):
-                        if config.data != "synthetic":
-                            result.append(
-                                dict(
-                                    common,
-                                    kind="engine",
-                                    replicas=1,
-                                    workers=0,
-                                    data="synthetic",
-                                    reference="input",
-                                    global_batch_size=config.global_batch_size,
-                                )
-                            )
-                    elif config.references and ratios:
-                        single = dict(
-                            common, replicas=1, workers=0, global_batch_size=config.global_batch_size
-                        )
-                        result.append(dict(single, kind="fit"))
-                        if config.data != "synthetic":
-                            result.append(dict(single, kind="engine", data="synthetic", reference="input"))
+        for group in setting_groups(config, environment, model):
+            result += _group_cells(config, environment, dict(shared_settings(config), **group))
     return result + input_cost_cells(config, environment) + study_cells(config)
+
+
+def _group_cells(config: BenchConfig, environment: Environment, common: dict) -> list[dict]:
+    """One setting's engine cells (replicas, workers) and its reference cells."""
+    model = common["model"]
+    # Scaling and reference cells cost the most; --ratio_models limits them to some models.
+    ratios = not config.ratio_models or model in config.ratio_models
+    result = []
+    for replicas in config.replicas:
+        if replicas == 1 or ratios:
+            result.append(
+                dict(
+                    common,
+                    kind="engine",
+                    replicas=replicas,
+                    workers=0,
+                    global_batch_size=config.global_batch_size * replicas,
+                )
+            )
+    for workers in config.workers if ratios else []:
+        result.append(
+            dict(
+                common,
+                kind="engine",
+                replicas=1,
+                workers=workers,
+                global_batch_size=config.global_batch_size * workers,
+            )
+        )
+    if not (config.references and ratios):
+        return result
+    single = dict(common, replicas=1, workers=0, global_batch_size=config.global_batch_size)
+    # Keras fit would need the detector's own losses: detectors get the input reference only.
+    if not environment.is_detector(model):
+        result.append(dict(single, kind="fit"))
+    if config.data != "synthetic":
+        result.append(dict(single, kind="engine", data="synthetic", reference="input"))
+    return result
 
 
 def input_cost_cells(config: BenchConfig, environment: Environment) -> list[dict]:
@@ -340,6 +388,11 @@ def describe_cell(cell: dict) -> str:
             f"layer profile {cell['model']} {' vs '.join(cell['policies'])}, {cell['image_size']}px, "
             f"batch {cell['global_batch_size']}"
         )
+    if cell["kind"] == "bn_study":
+        return (
+            f"BatchNormalization alone {cell['precision']}: Keras' layer vs fused, fwd+bwd on "
+            f"{'x'.join(map(str, cell['shape']))}, {cell['rounds']} rounds in turn"
+        )
     if cell.get("study") == "threads":
         return (
             f"threads round {cell['round']} {cell['knob']}: {cell['model']} intra {cell['intra_op_threads']} inter "
@@ -349,7 +402,8 @@ def describe_cell(cell: dict) -> str:
     kind = {"fit": " [keras fit]", "engine": ""}[cell["kind"]]
     data = " [synthetic input]" if cell.get("reference") == "input" else ""
     tf32 = "" if cell.get("tf32", True) else " tf32=off"
+    fused = " [fused BN]" if cell.get("fused_norm") else ""
     return (
         f"{cell['model']} {cell['precision']}{tf32} {devices} xla={'on' if cell['xla'] else 'off'} "
-        f"batch {cell['global_batch_size']}{kind}{data}"
+        f"batch {cell['global_batch_size']}{kind}{data}{fused}"
     )

@@ -12,13 +12,16 @@ add their own rows: "pipeline" (each K=2, M row of the pipeline cell: throughput
 the unsplit model, bubble measured and in theory) and "threads" (`tfmp.bench.threads.rows`).
 `layer_profile_table(cell)` prints a `layer_profile` cell (`tfmp.bench.layer_profile`): per
 layer class ms in each policy, speedup and share of the step, then the totals, the casts and
-the most expensive layer calls.
+the most expensive layer calls. The memory ratios (mixed / float32 live peak and host memory)
+and fused vs Keras BatchNormalization (`fused_vs_keras_norm` of the engine cells,
+`fused_vs_keras_bn` of the `bn_study` cells) come from `tfmp.bench.memory_report`.
 """
 
 from __future__ import annotations
 
 from matplotlib.figure import Figure
 
+from tfmp.bench import memory_report
 from tfmp.bench import threads as bench_threads
 
 
@@ -33,6 +36,7 @@ def _key(cell: dict, **changes) -> tuple:
         values["data"],
         values["replicas"],
         values["workers"],
+        values.get("fused_norm", False),
     )
 
 
@@ -65,6 +69,7 @@ def derive(cells: list[dict]) -> dict:
             "xla": cell["xla"],
             "replicas": cell["replicas"],
             "workers": cell["workers"],
+            "fused_norm": cell.get("fused_norm", False),
         }
         if result["policy"] in peaks:
             derived["flops_fraction_of_peak"] = result["flops_per_sec"] / peaks[result["policy"]]
@@ -73,7 +78,7 @@ def derive(cells: list[dict]) -> dict:
         if float32 and cell["precision"] != "float32":
             derived["speedup_vs_float32"] = result["examples_per_sec"] / float32["result"]["examples_per_sec"]
             ratios["speedup_vs_float32"].append(dict(label, value=derived["speedup_vs_float32"]))
-            for name, value in _memory_ratios(result, float32["result"]).items():
+            for name, value in memory_report.mixed_vs_float32(result, float32["result"]).items():
                 derived[name] = value
                 ratios[name].append(dict(label, global_batch_size=cell["global_batch_size"], value=value))
         count = cell["workers"] or cell["replicas"]
@@ -107,21 +112,11 @@ def derive(cells: list[dict]) -> dict:
                         paired=bool(paired),
                     )
                 )
+    ratios["fused_vs_keras_norm"] = memory_report.fused_vs_keras_norm(main, _key)
+    ratios["fused_vs_keras_bn"] = memory_report.fused_vs_keras_bn(cells)
     ratios["pipeline"] = _pipeline_rows(cells)
     ratios["input_cost"] = _input_cost_rows(cells)
     ratios["threads"] = bench_threads.rows(cells)
-    return ratios
-
-
-def _memory_ratios(result: dict, float32: dict) -> dict:
-    """Mixed / float32 peak memory: of live tensors (`peak_memory_mb`, the allocator's), and on
-    CPUs of the process's resident memory above its size before the model was built."""
-    ratios = {"peak_memory_vs_float32": result["peak_memory_mb"] / float32["peak_memory_mb"]}
-    if result["peak_memory_source"] == "cpu":
-        above = float32["peak_host_memory_mb"] - float32["host_memory_before_model_mb"]
-        if above > 0:
-            mine = result["peak_host_memory_mb"] - result["host_memory_before_model_mb"]
-            ratios["host_memory_vs_float32"] = mine / above
     return ratios
 
 
@@ -181,6 +176,7 @@ def table(cells: list[dict], ratios: dict) -> str:
         "xla",
         "precision",
         "policy",
+        "BN",
         "examples/s",
         "spread",
         "per replica",
@@ -203,6 +199,7 @@ def table(cells: list[dict], ratios: dict) -> str:
                 "on" if cell["xla"] else "off",
                 cell["precision"] + ("" if cell.get("tf32", True) else " (tf32 off)"),
                 result["policy"],
+                "fused" if cell.get("fused_norm") else "keras",
                 f"{result['examples_per_sec']:,.0f}",
                 f"{result['examples_per_sec_min']:,.0f}-{result['examples_per_sec_max']:,.0f}",
                 f"{result['examples_per_sec_per_replica']:,.0f}",
@@ -212,7 +209,8 @@ def table(cells: list[dict], ratios: dict) -> str:
                 _times(derived.get("speedup_vs_float32")),
                 _percent(derived.get("scaling_efficiency")),
                 str(cell["global_batch_size"]),
-                f"{result['peak_memory_mb']:,.0f} {result['peak_memory_source']}",
+                f"{result['peak_memory_mb']:,.{0 if result['peak_memory_mb'] >= 100 else 1}f} "
+                f"{result['peak_memory_source']}",
                 _times(derived.get("peak_memory_vs_float32")),
             )
         )
@@ -220,7 +218,7 @@ def table(cells: list[dict], ratios: dict) -> str:
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += peak_lines(cells)
-    lines += _memory_lines(ratios)
+    lines += memory_report.lines(ratios, _devices)
     for name, title in (
         ("engine_vs_keras_fit", "tfmp engine / Keras fit"),
         ("input_vs_synthetic", "real input / synthetic tensors"),
@@ -330,26 +328,6 @@ def layer_profile_table(cell: dict, top: int = 8) -> str:
     return "\n".join(lines)
 
 
-def _memory_lines(ratios: dict) -> list[str]:
-    host = {_label(row): row["value"] for row in ratios["host_memory_vs_float32"]}
-    lines = []
-    for row in ratios["peak_memory_vs_float32"]:
-        extra = (
-            f" (process resident memory above its base: {host[_label(row)]:.2f}x)"
-            if _label(row) in host
-            else ""
-        )
-        lines.append(
-            f"live peak memory {row['precision']} / float32: {row['model']} batch {row['global_batch_size']} "
-            f"{_devices(row)} xla={'on' if row['xla'] else 'off'}: {row['value']:.2f}x{extra}"
-        )
-    return lines
-
-
-def _label(row: dict) -> tuple:
-    return tuple(value for name, value in row.items() if name != "value")
-
-
 def peak_lines(cells: list[dict]) -> list[str]:
     """Each precision's matmul peak (what "% peak" divides by), every size's best, the method."""
     lines = []
@@ -374,6 +352,10 @@ def _times(value):
     return "" if value is None else f"{value:.2f}x"
 
 
+def _chart_group(cell: dict) -> str:
+    return f"{_devices(cell)}{' xla' if cell['xla'] else ''}{' fused BN' if cell.get('fused_norm') else ''}"
+
+
 def chart(cells: list[dict], path: str) -> str:
     """Bar chart of examples/s per precision and device count, one panel per model."""
     main = _main_cells(cells)
@@ -383,17 +365,13 @@ def chart(cells: list[dict], path: str) -> str:
     axes = figure.subplots(1, max(1, len(model_names)), squeeze=False)
     for axis, model in zip(axes[0], model_names):
         mine = [c for c in main if c["model"] == model]
-        groups = list(dict.fromkeys(f"{_devices(c)}{' xla' if c['xla'] else ''}" for c in mine))
+        groups = list(dict.fromkeys(_chart_group(c) for c in mine))
         precisions = list(dict.fromkeys(c["precision"] for c in mine))
         width = 0.8 / len(precisions)
         for offset, name in enumerate(precisions):
             values = []
             for group in groups:
-                match = [
-                    c
-                    for c in mine
-                    if c["precision"] == name and f"{_devices(c)}{' xla' if c['xla'] else ''}" == group
-                ]
+                match = [c for c in mine if c["precision"] == name and _chart_group(c) == group]
                 values.append(match[0]["result"]["examples_per_sec"] if match else 0)
             axis.bar([i + offset * width for i in range(len(groups))], values, width, label=name)
         axis.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, fontsize=8)

@@ -10,6 +10,8 @@ reported as median and min-max spread; ratios come only from cells measured in t
 (`tfmp.bench.report`). Writes `bench.json`, `bench.png` and returns the report.
 `run_layer_profile(config)` runs only the `layer_profile` cells (`matrix.layer_profile_cells`)
 and writes `layer_profile.json`: the date, config, hardware, versions, load averages and cells.
+`run_memory_search(config)` (`mode="memory"`) runs only `tfmp.bench.memory`'s searches, the
+largest batch under `memory_budget_mb` per model and precision, and writes their `bench.json`.
 
 This parent process never imports TensorFlow. A TensorFlow runtime here would hold threads,
 host memory and (on a GPU host) a CUDA context on every GPU while the cells run: it would
@@ -28,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from tfmp.bench import matrix, schema
+from tfmp.bench import matrix, memory, schema
 from tfmp.bench import report as bench_report
 
 MEMORY_NOTE = (
@@ -107,6 +109,10 @@ def _headline(result: dict) -> str:
             f"model fwd+bwd {totals[first]['model_ms']:.1f} / {totals[last]['model_ms']:.1f} ms of a step of "
             f"{totals[first]['step_ms']:.1f} / {totals[last]['step_ms']:.1f} ms ({first} / {last})"
         )
+    if "fused_ms" in result:  # the BatchNormalization study
+        return (
+            f"Keras {result['keras_ms']:.2f} ms, fused {result['fused_ms']:.2f} ms ({result['value']:.2f}x)"
+        )
     if "ratios" in result:  # an input cost
         return ", ".join(f"{name} {value:.2f}" for name, value in result["ratios"].items())
     if "rows" in result:
@@ -163,7 +169,10 @@ def _measure_all(planned: list[dict], timeout: float, progress) -> None:
 
 
 def run(config: matrix.BenchConfig, progress=print) -> dict:
-    """Measures every cell, derives the ratios, writes bench.json and bench.png."""
+    """Measures every cell, derives the ratios, writes bench.json and bench.png
+    (`mode="memory"`: `run_memory_search`)."""
+    if config.mode == "memory":
+        return run_memory_search(config, progress)
     matrix.check(config)  # before the environment process: plain mistakes fail at once
     found = environment(config.cell_timeout)
     matrix.check_names(config, found)
@@ -211,5 +220,61 @@ def run_layer_profile(config: matrix.BenchConfig, progress=print) -> dict:
         "cells": planned,
     }
     with open(os.path.join(config.output_dir, "layer_profile.json"), "w", encoding="utf-8") as file:
+        json.dump(report, file, indent=2)
+    return report
+
+
+def _measure_search_cell(cell: dict, timeout: float) -> dict:
+    """One cell of a memory search: the cell with its result (None when it ran out of device
+    memory: that batch does not fit) and the load average after it."""
+    try:
+        result = measure(cell, timeout)
+    except RuntimeError as error:
+        if "ResourceExhausted" not in str(error) and "OOM" not in str(error):
+            raise
+        result = None
+    return dict(cell, result=result, load_average=load_average())
+
+
+def run_memory_search(config: matrix.BenchConfig, progress=print) -> dict:
+    """mode="memory": each setting's largest batch under the budget (`tfmp.bench.memory`);
+    writes bench.json only when every search is done (a refused budget writes nothing)."""
+    matrix.check(config)
+    memory.check(config)
+    found = environment(config.cell_timeout)
+    matrix.check_names(config, found)
+    settings = memory.settings(config, found)
+    started, load_before = time.time(), load_average()
+    searches = []
+    for index, setting in enumerate(settings, 1):
+        progress(
+            f"[search {index}/{len(settings)}] {matrix.describe_cell(dict(setting, global_batch_size='N'))}"
+        )
+        searches.append(
+            memory.search(
+                setting,
+                config.memory_budget_mb,
+                config.memory_probe_batches,
+                config.memory_batch_step,
+                lambda cell: _measure_search_cell(cell, config.cell_timeout),
+                progress,
+            )
+        )
+    report = {
+        "schema_version": schema.SCHEMA_VERSION,
+        "config": dataclasses.asdict(config),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "hardware": dict(hardware(), gpus=found.gpus, cpu_fast_bfloat16=found.cpu_fast_bfloat16),
+        "versions": found.versions,
+        "seconds": round(time.time() - started, 1),
+        "load_average": {"before": load_before, "after": load_average()},
+        "memory_note": MEMORY_NOTE,
+        "budget_mb": config.memory_budget_mb,
+        "searches": searches,
+        "ratios": memory.ratios(searches),
+    }
+    schema.check(report)
+    os.makedirs(config.output_dir, exist_ok=True)
+    with open(os.path.join(config.output_dir, "bench.json"), "w", encoding="utf-8") as file:
         json.dump(report, file, indent=2)
     return report

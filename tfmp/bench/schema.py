@@ -3,6 +3,9 @@
     from tfmp.bench import schema
     schema.check(json.load(open("bench/bench.json")))    # raises SchemaError naming the field
 
+A `--mode=memory` run's bench.json (`tfmp.bench.memory`) has MEMORY_REPORT's fields instead;
+`check` tells them apart by `config.mode`.
+
 `tfmp.bench.runner` checks every report against it before writing, so the file always has
 exactly these fields. A change that renames, removes or retypes a field raises SCHEMA_VERSION.
 Types: "number" (int or float), "integer", "string", "boolean", "list", "object"; a trailing
@@ -11,7 +14,9 @@ Types: "number" (int or float), "integer", "string", "boolean", "list", "object"
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 2  # 2: peak_memory_mb is the allocator peak on CPUs too; host_memory_vs_float32
+# 2: peak_memory_mb is the allocator peak on CPUs too; host_memory_vs_float32.
+# 3: fused_norm (cells, ratio labels), variables_mb, fused_vs_keras_norm, bn_study, --mode=memory.
+SCHEMA_VERSION = 3
 
 REPORT = {
     "schema_version": "integer",
@@ -42,6 +47,7 @@ ENGINE_CELL = {
     "precision": "string",
     "xla": "boolean",
     "tf32": "boolean",
+    "fused_norm": "boolean",
     "replicas": "integer",
     "workers": "integer",
     "global_batch_size": "integer",
@@ -70,6 +76,7 @@ ENGINE_RESULT = {
     "peak_host_memory_mb": "number",
     "host_memory_before_model_mb": "number",
     "peak_gpu_memory_mb": "list",
+    "variables_mb": "number",
     "intra_op_threads": "integer",
     "inter_op_threads": "integer",
     "paired_input": "object?",
@@ -92,6 +99,7 @@ _DEVICE_LABEL = {
     "xla": "boolean",
     "replicas": "integer",
     "workers": "integer",
+    "fused_norm": "boolean",
     "value": "number",
 }
 _REFERENCE_LABEL = {"model": "string", "precision": "string", "xla": "boolean", "value": "number"}
@@ -103,6 +111,28 @@ RATIOS = {
     "host_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
     "engine_vs_keras_fit": _REFERENCE_LABEL,
     "input_vs_synthetic": dict(_REFERENCE_LABEL, paired="boolean"),
+    "fused_vs_keras_norm": {
+        "model": "string",
+        "precision": "string",
+        "tf32": "boolean",
+        "xla": "boolean",
+        "replicas": "integer",
+        "workers": "integer",
+        "global_batch_size": "integer",
+        "value": "number",
+        "peak_memory": "number",
+        "peak_memory_mb": "number",
+        "keras_peak_memory_mb": "number",
+    },
+    "fused_vs_keras_bn": {
+        "precision": "string",
+        "policy": "string",
+        "shape": "list",
+        "keras_ms": "number",
+        "fused_ms": "number",
+        "value": "number",
+        "peak_memory": "number?",
+    },
     "pipeline": {
         "model": "string",
         "stages": "integer",
@@ -127,6 +157,71 @@ RATIOS = {
         "unit": "string",
         "ratio": "number",
     },
+}
+
+BN_STUDY_RESULT = {
+    "policy": "string",
+    "compute_dtype": "string",
+    "shape": "list",
+    "rounds": "integer",
+    "calls_per_round": "integer",
+    "keras_ms": "number",
+    "fused_ms": "number",
+    "keras_ms_rounds": "list",
+    "fused_ms_rounds": "list",
+    "ratios": "list",
+    "value": "number",
+    "keras_peak_memory_mb": "number",
+    "fused_peak_memory_mb": "number",
+    "peak_memory_source": "string",
+}
+# --mode=memory: the largest batch under a live-peak budget (tfmp.bench.memory).
+MEMORY_REPORT = {
+    "schema_version": "integer",
+    "date": "string",
+    "seconds": "number",
+    "config": "object",
+    "hardware": "object",
+    "versions": "object",
+    "load_average": "object",
+    "memory_note": "string",
+    "budget_mb": "number",
+    "searches": "list",
+    "ratios": "object",
+}
+SEARCH = {
+    "setting": "object",
+    "model": "string",
+    "precision": "string",
+    "policy": "string",
+    "fused_norm": "boolean",
+    "xla": "boolean",
+    "image_size": "integer",
+    "budget_mb": "number",
+    "variables_mb": "number",
+    "probe_batches": "list",
+    "intercept_mb": "number",
+    "slope_mb_per_example": "number",
+    "predicted_batch": "integer",
+    "largest_batch": "integer",
+    "largest_batch_peak_mb": "number",
+    "next_batch": "integer",
+    "next_batch_peak_mb": "number?",  # null: that cell ran out of device memory
+    "confirmed": "string",
+    "cells": "list",
+}
+SEARCH_CELL = {"global_batch_size": "integer", "result": "object?", "load_average": "list?"}
+_BATCH_RATIO = {
+    "model": "string",
+    "precision": "string",
+    "xla": "boolean",
+    "largest_batch": "integer",
+    "value": "number",
+    "per_example": "number",
+}
+MEMORY_RATIOS = {
+    "largest_batch_vs_float32": dict(_BATCH_RATIO, fused_norm="boolean", float32_largest_batch="integer"),
+    "largest_batch_fused_vs_keras_norm": dict(_BATCH_RATIO, keras_largest_batch="integer"),
 }
 
 
@@ -155,12 +250,34 @@ def _fields(where: str, record: dict, fields: dict, exact: bool = False) -> None
             raise SchemaError(f"{where}.{name} = {record[name]!r} is not {kind}")
 
 
+def _ratio_rows(ratios: dict, names: dict) -> None:
+    _fields("report.ratios", ratios, dict.fromkeys(names, "list"), exact=True)
+    for name, fields in names.items():
+        for index, row in enumerate(ratios[name]):
+            _fields(f"report.ratios.{name}[{index}]", row, fields, exact=True)
+
+
+def _check_memory(report: dict) -> None:
+    """A --mode=memory report: the searches, their cells and the batch ratios."""
+    _fields("report", report, MEMORY_REPORT, exact=True)
+    for index, search in enumerate(report["searches"]):
+        where = f"report.searches[{index}]"
+        _fields(where, search, SEARCH, exact=True)
+        for number, cell in enumerate(search["cells"]):
+            _fields(f"{where}.cells[{number}]", cell, SEARCH_CELL, exact=True)
+            if cell["result"] is not None:
+                _fields(f"{where}.cells[{number}].result", cell["result"], ENGINE_RESULT, exact=True)
+    _ratio_rows(report["ratios"], MEMORY_RATIOS)
+
+
 def check(report: dict) -> None:
     """Raises SchemaError at the first field that is missing, extra (where exact) or mistyped."""
+    if report.get("schema_version") != SCHEMA_VERSION:
+        raise SchemaError(f"report.schema_version {report.get('schema_version')} is not {SCHEMA_VERSION}")
+    _fields("report.hardware", report.get("hardware", {}), HARDWARE)
+    if report.get("config", {}).get("mode") == "memory":
+        return _check_memory(report)
     _fields("report", report, REPORT, exact=True)
-    if report["schema_version"] != SCHEMA_VERSION:
-        raise SchemaError(f"report.schema_version {report['schema_version']} is not {SCHEMA_VERSION}")
-    _fields("report.hardware", report["hardware"], HARDWARE)
     for index, cell in enumerate(report["cells"]):
         where = f"report.cells[{index}]"
         _fields(where, cell, CELL)
@@ -175,7 +292,6 @@ def check(report: dict) -> None:
             _fields(f"{where}.result", cell["result"], PEAK_RESULT, exact=True)
             for size in cell["result"]["sizes"]:
                 _fields(f"{where}.result.sizes[]", size, PEAK_SIZE, exact=True)
-    _fields("report.ratios", report["ratios"], dict.fromkeys(RATIOS, "list"), exact=True)
-    for name, fields in RATIOS.items():
-        for index, row in enumerate(report["ratios"][name]):
-            _fields(f"report.ratios.{name}[{index}]", row, fields, exact=True)
+        elif cell["kind"] == "bn_study":
+            _fields(f"{where}.result", cell["result"], BN_STUDY_RESULT, exact=True)
+    _ratio_rows(report["ratios"], RATIOS)

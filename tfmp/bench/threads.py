@@ -52,6 +52,7 @@ def cells(model: str, image_size: int, global_batch: int, base: dict, rounds: in
         precision="float32",
         xla=False,
         tf32=True,
+        fused_norm=False,
         replicas=1,
         workers=0,
         data="builtin",

@@ -4,8 +4,11 @@
     model, optimizer, dataset_fn, image_shape = setup_for(cell["model"])(cell, strategy, policy)
     flops = flops_per_step(cell, model)
 
-Classifiers (`tfmp.models.MODELS`) train on the cell's "data" ("builtin": `digits` for the
-MNIST-shaped models, `shapes` otherwise). Detectors (`tfmp.detection.retinanet.DETECTORS`,
+Classifiers (`tfmp.models.MODELS`, and the plain Keras models of `tfmp.bench.keras_models`) train
+on the cell's "data" ("builtin": `digits` for the MNIST-shaped models, `shapes` otherwise). A
+classifier cell with "fused_norm": true has `tfmp.precision.fuse_normalization` run on its model
+right after it is built, before compile and the Engine trace it (false, the default: the model
+as built). Detectors (`tfmp.detection.retinanet.DETECTORS`,
 `tfmp.detection.faster_rcnn.DETECTORS`) train on the built-in detection `shapes`: the pipeline
 draws the scenes and pads the ground truth, anchors (and Faster R-CNN's ROIs) are matched on
 the device inside the step; "synthetic" repeats one such batch from memory. Every model starts
@@ -19,6 +22,7 @@ import math
 import keras
 
 from tfmp import models, precision
+from tfmp.bench import keras_models
 from tfmp.classification import data
 from tfmp.classification.task import compile_classifier
 from tfmp.detection import data as detection_data
@@ -49,6 +53,12 @@ def _optimizer(policy: str):
     return precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy, "auto")
 
 
+def _build_classifier(name: str, image_shape, num_classes: int, policy: str):
+    if name in keras_models.MODELS:
+        return keras_models.build(name, image_shape, num_classes, dtype=policy)
+    return models.build(name, image_shape, num_classes, dtype=policy)
+
+
 def classifier_setup(cell: dict, strategy, policy: str):
     """(compiled classifier, optimizer, dataset_fn(input_context), image shape)."""
     spec = dataset_spec(cell)
@@ -56,8 +66,11 @@ def classifier_setup(cell: dict, strategy, policy: str):
     info = data.describe(spec, image_size=image_size, verify=False)  # a bench times, it does not vet data
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = models.build(cell["model"], info.image_shape, info.num_classes, dtype=policy)
+        model = _build_classifier(cell["model"], info.image_shape, info.num_classes, policy)
         optimizer = _optimizer(policy)
+    if cell.get("fused_norm", False):
+        # In place and before anything traces the model: compile's build and the Engine's step.
+        precision.fuse_normalization(model)
     compile_classifier(model, optimizer, strategy)
 
     def dataset_fn(context):

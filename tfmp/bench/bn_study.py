@@ -1,0 +1,114 @@
+"""One BatchNormalization alone: Keras' layer against the fused kernel, forward + backward.
+
+    from tfmp.bench import bn_study
+    result = bn_study.measure("mixed_bfloat16", shape=[64, 48, 48, 64], rounds=20)
+    result["value"]      # fused / Keras seconds per call: the median of the rounds' ratios
+
+Runs in a cell process of its own, one per policy (`python -m apps.bench --bn_study` plans
+`{"kind": "bn_study", "precision": ..., "shape": [...], "rounds": N}` for float32,
+mixed_bfloat16 and mixed_float16). Two BatchNormalization layers of the policy (Keras'
+defaults), one left as Keras computes it and one put on FusedBatchNormV3 by
+`tfmp.precision.fuse_normalization`, each in a `tf.function` of one training-mode forward and
+the gradients with respect to the input, gamma and beta (a fixed random upstream gradient, so
+the backward pass is a real one), on the same input in the policy's compute dtype: what a
+convolution hands BatchNormalization inside a mixed-precision model.
+
+The two are timed in turn, in one process: each round times `calls` calls of one function,
+then of the other (the order alternates from round to round), so what the shared machine does
+meanwhile falls on both alike; `value` is the median of the rounds' fused / Keras ratios. The
+allocator's live peak of one call of each (reset just before it) is reported beside: the
+inputs are live in both, the difference is what each computation holds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import keras
+import tensorflow as tf
+
+from tfmp import precision
+
+MIN_TIMING_SECONDS = 0.2  # one timed batch of calls: well above timer and dispatch noise
+WARMUP_CALLS = 2  # the first call traces
+
+
+def _forward_backward(policy: str, shape: list[int], fused: bool):
+    """A tf.function: one BatchNormalization's training forward and its gradients."""
+    layer = keras.layers.BatchNormalization(dtype=policy)
+    inputs = keras.Input(shape=tuple(shape[1:]))
+    model = keras.Model(inputs, layer(inputs))  # builds the layer for this shape
+    if fused:
+        precision.fuse_normalization(model)
+
+    @tf.function
+    def step(images, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(images)
+            outputs = layer(images, training=True)
+            loss = tf.reduce_sum(tf.cast(outputs, tf.float32) * upstream)
+        gradients = tape.gradient(loss, [images, *layer.trainable_variables])
+        # One scalar that needs every gradient: fetching it waits for the whole backward pass.
+        return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in gradients])
+
+    return step
+
+
+def _device() -> str:
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def _live_peak_mb(step, arguments) -> float:
+    tf.config.experimental.reset_memory_stats(_device())
+    step(*arguments).numpy()
+    return tf.config.experimental.get_memory_info(_device())["peak"] / 2**20
+
+
+def _seconds(step, arguments, calls: int) -> float:
+    started = time.perf_counter()
+    for _ in range(calls):
+        result = step(*arguments)
+    result.numpy()
+    return (time.perf_counter() - started) / calls
+
+
+def measure(policy: str, shape: list[int], rounds: int) -> dict:
+    """Keras' and the fused layer's ms per forward + backward, timed in turn, and their peaks."""
+    policy = precision.resolve(policy).policy
+    compute_dtype = keras.dtype_policies.get(policy).compute_dtype
+    tf.random.set_seed(0)
+    images = tf.cast(tf.random.normal(shape), compute_dtype)
+    upstream = tf.random.normal(shape)
+    arguments = (images, upstream)
+    steps = {
+        "keras": _forward_backward(policy, shape, False),
+        "fused": _forward_backward(policy, shape, True),
+    }
+    for step in steps.values():
+        _seconds(step, arguments, WARMUP_CALLS)
+    peaks = {name: _live_peak_mb(step, arguments) for name, step in steps.items()}
+    slowest = max(_seconds(step, arguments, 1) for step in steps.values())
+    calls = max(1, math.ceil(MIN_TIMING_SECONDS / max(slowest, 1e-6)))
+    times = {"keras": [], "fused": []}
+    for index in range(rounds):
+        for name in ("keras", "fused") if index % 2 == 0 else ("fused", "keras"):
+            times[name].append(1000 * _seconds(steps[name], arguments, calls))
+    ratios = [fused / keras for fused, keras in zip(times["fused"], times["keras"])]
+    return {
+        "policy": policy,
+        "compute_dtype": compute_dtype,
+        "shape": list(shape),
+        "rounds": rounds,
+        "calls_per_round": calls,
+        "keras_ms": statistics.median(times["keras"]),
+        "fused_ms": statistics.median(times["fused"]),
+        "keras_ms_rounds": times["keras"],
+        "fused_ms_rounds": times["fused"],
+        "ratios": ratios,
+        "value": statistics.median(ratios),
+        "keras_peak_memory_mb": peaks["keras"],
+        "fused_peak_memory_mb": peaks["fused"],
+        "peak_memory_source": _device()[:3].lower(),
+    }
