@@ -263,7 +263,7 @@ def table(report: dict) -> str:
         ),
     ):
         for row in report["ratios"][name]:
-            bn = "" if "fused_norm" not in row else (" fused BN" if row["fused_norm"] else " Keras BN")
+            bn = " fused BN" if row.get("fused_norm") else ""
             lines.append(
                 f"{title.format(**row)}: {row['model']}{bn} xla={'on' if row['xla'] else 'off'}: "
                 f"{row['largest_batch']} / {row[reference]} = {row['value']:.2f}x "
