@@ -19,11 +19,9 @@ threads vs the GIL). `layer_profile` (a list of model names) plans the cells of 
 (`runner.run_layer_profile`): each model's layers timed in float32 and mixed_bfloat16 at
 `image_size` and `global_batch_size` against the Engine's step (`tfmp.bench.layer_profile`).
 
-`fused_norm` (a list: [False], [True] or both) is a dimension of the classifiers' engine and fit
-cells: true runs `tfmp.precision.fuse_normalization` on the model before it is compiled
-(`tfmp.bench.workloads`); detectors are measured as built (false). `bn_study` adds one `bn_study`
-cell per BN_STUDY_PRECISIONS (`tfmp.bench.bn_study`: one BatchNormalization's forward + backward
-on a `bn_study_shape` tensor, Keras' layer and the fused one timed in turn). `mode="memory"`
+`fused_norm` ([False], [True] or both) is a dimension of classifier cells (true: the model's
+BatchNormalization fused before compile, `tfmp.bench.workloads`); detectors run as built.
+`bn_study` adds a `bn_study` cell per BN_STUDY_PRECISIONS (`tfmp.bench.bn_study`). `mode="memory"`
 plans no matrix: `tfmp.bench.memory` searches each setting's largest batch under
 `memory_budget_mb` (`runner.run_memory_search`).
 
@@ -318,28 +316,20 @@ def _group_cells(config: BenchConfig, environment: Environment, common: dict) ->
     model = common["model"]
     # Scaling and reference cells cost the most; --ratio_models limits them to some models.
     ratios = not config.ratio_models or model in config.ratio_models
-    result = []
-    for replicas in config.replicas:
-        if replicas == 1 or ratios:
-            result.append(
-                dict(
-                    common,
-                    kind="engine",
-                    replicas=replicas,
-                    workers=0,
-                    global_batch_size=config.global_batch_size * replicas,
-                )
-            )
-    for workers in config.workers if ratios else []:
-        result.append(
-            dict(
-                common,
-                kind="engine",
-                replicas=1,
-                workers=workers,
-                global_batch_size=config.global_batch_size * workers,
-            )
+    # N replicas or workers get N x the batch (weak scaling).
+    devices = [(replicas, 0) for replicas in config.replicas if replicas == 1 or ratios]
+    devices += [(1, workers) for workers in config.workers] if ratios else []
+    batch = config.global_batch_size
+    result = [
+        dict(
+            common,
+            kind="engine",
+            replicas=replicas,
+            workers=workers,
+            global_batch_size=batch * (workers or replicas),
         )
+        for replicas, workers in devices
+    ]
     if not (config.references and ratios):
         return result
     single = dict(common, replicas=1, workers=0, global_batch_size=config.global_batch_size)
