@@ -28,7 +28,7 @@ call 10 vs 1, Python threads vs the GIL).
 backward in float32 and mixed_bfloat16, summed by layer class, against the Engine's step
 (timed with --steps_per_execution, --repeats, ...); prints the tables, writes layer_profile.json.
 
---fused_norm=false,true measures each classifier both as built and with every
+--fused_norm=false,true measures each classifier both as built (Keras' layer) and, like the default, with every
 BatchNormalization on the fused kernel (`tfmp.precision.fuse_normalization`), giving the ratio
 fused_vs_keras_norm (examples/s and live peak); --models also takes the plain Keras models
 keras_bn_cnn and keras_resnet (`tfmp.bench.keras_models`: keras.layers only, trained by tfmp's
@@ -107,7 +107,9 @@ flags.DEFINE_list(
 )
 flags.DEFINE_integer("layer_profile_repeats", 20, "--layer_profile: interleaved rounds (median of).")
 flags.DEFINE_list(
-    "fused_norm", ["false"], "Classifiers' BatchNormalization on the fused kernel: false, true (or both)."
+    "fused_norm",
+    ["true"],
+    "Classifiers' BatchNormalization on the fused kernel, as the apps train them: true, false (Keras'), or both.",
 )
 flags.DEFINE_bool("bn_study", False, "Also time one BatchNormalization alone, Keras' layer vs fused.")
 flags.DEFINE_list(

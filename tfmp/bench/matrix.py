@@ -19,7 +19,7 @@ threads vs the GIL). `layer_profile` (a list of model names) plans the cells of 
 (`runner.run_layer_profile`): each model's layers timed in float32 and mixed_bfloat16 at
 `image_size` and `global_batch_size` against the Engine's step (`tfmp.bench.layer_profile`).
 
-`fused_norm` ([False], [True] or both) is a dimension of classifier cells (true: the model's
+`fused_norm` ([True], the default as in the apps, [False] or both) is a dimension of classifier cells (true: the model's
 BatchNormalization fused before compile, `tfmp.bench.workloads`); detectors run as built.
 `bn_study` adds a `bn_study` cell per BN_STUDY_PRECISIONS (`tfmp.bench.bn_study`). `mode="memory"`
 plans no matrix: `tfmp.bench.memory` searches each setting's largest batch under
@@ -82,7 +82,9 @@ class BenchConfig:
     peak_min_call_seconds: float = 0.5  # a timed peak call chains matmuls for at least this long
     layer_profile: list[str] = dataclasses.field(default_factory=list)  # [] = no layer profile
     layer_profile_repeats: int = 20  # interleaved rounds: each layer's time is their median
-    fused_norm: list[bool] = dataclasses.field(default_factory=lambda: [False])  # classifiers only
+    fused_norm: list[bool] = dataclasses.field(
+        default_factory=lambda: [True]
+    )  # classifiers only; the apps fuse too
     bn_study: bool = False
     bn_study_shape: list[int] = dataclasses.field(default_factory=lambda: [64, 48, 48, 64])  # NHWC
     bn_study_rounds: int = 20  # Keras' layer and the fused one timed in turn, this many times each
