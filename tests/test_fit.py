@@ -321,7 +321,9 @@ def test_fixed_loss_scale_is_shown_recorded_and_its_overflow_stops_the_run(tmp_p
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [record["loss_scale"] for record in records if record["split"] == "train"] == [1024.0]
     # 1e30 fits float32 but overflows the float16 gradients; a fixed scale skips no step.
-    with pytest.raises(TrainingDiverged, match=r"at step 1 .*\(loss scale: fixed 1e\+30\).*lower the loss scale"):
+    with pytest.raises(
+        TrainingDiverged, match=r"at step 1 .*\(loss scale: fixed 1e\+30\).*lower the loss scale"
+    ):
         tfmp.fit(_fixed_scale_tutorial(1e30), images, labels, batch_size=16, verbose=0)
 
 

@@ -28,7 +28,7 @@ from tfmp.classification.task import compile_classifier
 from tfmp.detection import data as detection_data
 from tfmp.detection import faster_rcnn, losses, rcnn_losses, rcnn_task, retinanet, targets
 from tfmp.detection.task import compile_detector
-from tfmp.training import fitting
+from tfmp.training import fit_data
 
 MNIST_SHAPED = ("mnist_mlp", "lenet")
 
@@ -135,7 +135,7 @@ def faster_rcnn_setup(cell: dict, strategy, policy: str):
         optimizer = _optimizer(policy)
         model.compile(optimizer=optimizer, loss=rcnn_losses.FasterRCNNLoss(rcnn_task.TASK.class_loss))
     dataset_fn = _shapes_dataset_fn(cell, rcnn_task.model_elements)
-    fitting.build_for_data(model, strategy, dataset_fn(None).element_spec)
+    fit_data.build_for_data(model, strategy, dataset_fn(None).element_spec)
     return model, optimizer, dataset_fn, (size, size, 3)
 
 

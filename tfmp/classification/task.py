@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfmp import models
 from tfmp.classification import data
-from tfmp.training import fitting
+from tfmp.training import fit_data
 
 
 def compile_classifier(
@@ -34,7 +34,7 @@ def compile_classifier(
             auto_scale_loss=False,
         )
     spec = (tf.TensorSpec((None, *model.input_shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32))
-    fitting.build_for_data(model, strategy, spec)
+    fit_data.build_for_data(model, strategy, spec)
     return model
 
 

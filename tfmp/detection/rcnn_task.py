@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tfmp.detection import boxes, faster_rcnn, proposals, rcnn_losses
 from tfmp.detection.task import DetectionTask
-from tfmp.training import fitting
+from tfmp.training import fit_data
 
 
 def model_inputs(images, truth: dict) -> dict:
@@ -80,7 +80,7 @@ class FasterRCNNTask(DetectionTask):
                 "gt_classes": tf.TensorSpec((None, plan.info.max_boxes), tf.int32),
             },
         )
-        fitting.build_for_data(model, plan.strategy, spec)
+        fit_data.build_for_data(model, plan.strategy, spec)
         return model
 
     def elements(self, dataset: tf.data.Dataset, training: bool) -> tf.data.Dataset:

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tfmp.detection import boxes, data, evaluation, losses, retinanet, targets
 from tfmp.input import stream
-from tfmp.training import fitting
+from tfmp.training import fit_data
 
 DECODE_BATCH = 64  # eval rows decoded per NMS call
 
@@ -48,7 +48,7 @@ def compile_detector(
             "boxes": tf.TensorSpec((None, num_anchors, 5), tf.float32),
         }
     spec = (tf.TensorSpec((None, size, size, 3), tf.float32), labels)
-    fitting.build_for_data(model, strategy, spec)
+    fit_data.build_for_data(model, strategy, spec)
     return model
 
 

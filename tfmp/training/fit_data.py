@@ -1,0 +1,289 @@
+"""A user's data for `tfmp.fit` / `tfmp.evaluate`, and every check that would otherwise fail
+inside a step or after an epoch, made before anything is written.
+
+    train = FitData(x, y, None, batch_size, shuffle=True, seed=0, what="training data")
+    check_data(model, strategy, train, validation)   # label types and values, shapes, the model's build
+
+Labels are checked against the compiled loss where it says what it takes (class ids below the
+output's width, 0..1 targets, numbers); `build_for_data` builds the model, its loss and metrics
+symbolically for the data's spec, so a shape mismatch is one UsageError, not a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmp import compat
+from tfmp.errors import UsageError
+
+
+class FitData:
+    """A user's training or evaluation data as global batches, re-creatable per epoch."""
+
+    def __init__(self, x, y, sample_weight, batch_size, shuffle, seed, what):
+        self.what = what
+        if isinstance(x, tf.data.Dataset):
+            if y is not None:
+                raise UsageError(f"{what}: y must be None when x is a tf.data.Dataset (it yields (x, y))")
+            self._make = lambda epoch: x
+        else:
+            if batch_size is None:
+                raise UsageError(f"{what}: NumPy inputs need batch_size= (the global batch size)")
+            arrays = tuple(item for item in (x, y, sample_weight) if item is not None)
+            arrays = arrays if len(arrays) > 1 else arrays[0]
+            size = len(tf.nest.flatten(x)[0])
+            self._sample = (x, y, sample_weight)  # in memory already: every label is checked
+
+            def make(epoch):
+                dataset = tf.data.Dataset.from_tensor_slices(arrays)
+                if shuffle:
+                    dataset = dataset.shuffle(size, seed=seed + epoch)
+                return dataset.batch(batch_size)
+
+            self._make = make
+        self.element_spec = self._make(0).element_spec
+        cardinality = int(self._make(0).cardinality())
+        self.batches = cardinality if cardinality >= 0 else None  # None: infinite or unknown
+        self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
+        self.global_batch_size = batch_size or self._first_batch_rows()
+
+    def sample(self) -> tuple | None:
+        """(x, y, sample_weight) to check: all of NumPy data, a dataset's first batch (None: empty)."""
+        if not hasattr(self, "_sample"):
+            first = next(iter(self._make(0).take(1)), None)
+            self._sample = None if first is None else _x_y_weight(first)
+        return self._sample
+
+    def _first_batch_rows(self) -> int:
+        first = self.sample()
+        if first is None:
+            raise UsageError(f"{self.what}: the dataset is empty")
+        return int(tf.shape(tf.nest.flatten(first[0])[0])[0])
+
+    def dataset(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
+        return self._make(epoch).skip(skip_batches) if skip_batches else self._make(epoch)
+
+
+def _x_y_weight(element) -> tuple:
+    """(x, y, sample_weight) of a Keras element (tfmp's padded eval 4-tuple: its first three)."""
+    if isinstance(element, (list, tuple)):
+        return (tuple(element) + (None, None))[:3] if len(element) > 1 else (element[0], None, None)
+    return element, None, None
+
+
+def _label_rule(loss) -> tuple[str, str, object] | None:
+    """(kind, loss name, ignore_class) of a Keras loss whose labels can be checked: "sparse"
+    (class ids), "binary" (0..1) or "numeric" (any number); None for other losses."""
+    if isinstance(loss, str):
+        try:
+            loss = keras.losses.get(loss)
+        except ValueError:
+            return None
+    function = getattr(loss, "fn", loss)  # a Keras loss class wraps its function
+    name = getattr(function, "__name__", type(loss).__name__)
+    ignore_class = loss.get_config().get("ignore_class") if isinstance(loss, keras.losses.Loss) else None
+    if function is keras.losses.sparse_categorical_crossentropy:
+        return "sparse", name, ignore_class
+    if function in (keras.losses.binary_crossentropy, keras.losses.binary_focal_crossentropy):
+        return "binary", name, None
+    if (getattr(function, "__module__", None) or "").startswith("keras."):
+        return "numeric", name, None
+    return None
+
+
+def _output_widths(model: keras.Model, x_spec) -> dict:
+    """{output key: last dimension} of the model's outputs for inputs `x_spec` ({"": width} for a
+    single output); traced symbolically, so subclassed models are measured too."""
+    try:
+        inputs = tf.nest.map_structure(lambda spec: keras.KerasTensor(spec.shape, spec.dtype.name), x_spec)
+        output = model.compute_output_spec(inputs)
+    except Exception:  # noqa: BLE001 - only the label check's upper bound depends on it
+        return {}
+    width = lambda tensor: tensor.shape[-1] if len(tensor.shape) > 1 else None  # noqa: E731
+    if isinstance(output, dict):
+        return {key: width(tensor) for key, tensor in output.items()}
+    outputs = list(output) if isinstance(output, (list, tuple)) else [output]
+    names = getattr(model, "output_names", None) if len(outputs) > 1 else None
+    return dict(zip(names or [""], map(width, outputs)))
+
+
+def _labelled_outputs(model: keras.Model, y, widths: dict) -> list[tuple[str, tuple, object, int | None]]:
+    """(output key, label rule, labels, output width) of each output whose compiled loss is a
+    checkable Keras loss and whose labels pair up with it plainly (by key or position)."""
+    loss = model.loss
+    if isinstance(loss, dict) and isinstance(y, dict):
+        pairs = [(key, loss[key], y.get(key)) for key in loss]
+    elif isinstance(loss, (list, tuple)) and isinstance(y, (list, tuple)) and len(loss) == len(y):
+        names = list(getattr(model, "output_names", None) or [])
+        keys = names if len(names) == len(loss) else [str(index) for index in range(len(loss))]
+        pairs = list(zip(keys, loss, y))
+    elif not isinstance(loss, (dict, list, tuple)) and not isinstance(y, (dict, list, tuple)):
+        pairs = [(next(iter(widths), ""), loss, y)]
+    else:
+        return []
+    found = []
+    for key, item, labels in pairs:
+        rule = _label_rule(item)
+        if labels is not None and rule is not None:
+            found.append((key, rule, labels, widths.get(key)))
+    return found
+
+
+def check_label_types(model: keras.Model, data: FitData) -> None:
+    """String labels for a Keras loss (TF would fail inside the first step): one line, the fix."""
+    y = _x_y_weight(data.element_spec)[1]
+    for key, (_, name, _), labels, _ in _labelled_outputs(model, y, {}):
+        if any(spec.dtype == tf.string for spec in tf.nest.flatten(labels)):
+            where = f" for output {key!r}" if key else ""
+            raise UsageError(
+                f"{data.what}: the labels{where} are strings; {name} needs numbers: map each class "
+                "name to an id 0..N-1 first, e.g. with keras.layers.StringLookup(num_oov_indices=0)"
+            )
+
+
+def check_label_values(model: keras.Model, data: FitData) -> None:
+    """Labels a Keras loss cannot take (a class id past the output's units, a negative id, a
+    binary target outside [0, 1]), found in `data.sample()` before any step runs."""
+    sample = data.sample()
+    if not sample or sample[1] is None:
+        return
+    widths = _output_widths(model, _x_y_weight(data.element_spec)[0])
+    for key, (kind, name, ignore_class), labels, width in _labelled_outputs(model, sample[1], widths):
+        try:
+            values = np.asarray(labels)
+        except (ValueError, TypeError):  # ragged labels: not checked
+            continue
+        if values.dtype.kind not in "biuf" or kind == "numeric":
+            continue
+        values = values.ravel().astype(np.float64)
+        checked = values[values != ignore_class] if ignore_class is not None else values
+        if kind == "sparse":
+            high = width if width else np.inf
+            wrong = checked[(checked != np.floor(checked)) | (checked < 0) | (checked >= high)]
+        else:
+            wrong = checked[~((checked >= 0) & (checked <= 1))]
+        if wrong.size:
+            where = f" for output {key!r}" if key else ""
+            raise UsageError(
+                f"{data.what}: label {wrong[0]:g}{where} ({wrong.size} of {values.size} checked) "
+                + _label_fix(kind, name, float(wrong[0]), width, model.name)
+            )
+
+
+def _label_fix(kind: str, name: str, value: float, width: int | None, model_name: str) -> str:
+    if kind == "binary":
+        return f"is outside [0, 1]: {name} takes 0/1 targets or probabilities; map the labels to 0 and 1"
+    ids = f"class ids 0..{width - 1}" if width else "class ids from 0"
+    if value != np.floor(value):
+        return f"is not a whole number: {name} takes {ids}; map the labels to class ids"
+    if value < 0:
+        return (
+            f"is negative: {name} takes {ids}; fix the labels, or pass ignore_class={value:g} "
+            "to the loss to leave such rows out"
+        )
+    return (
+        f"is out of range for the {width}-unit output of model {model_name!r}: {name} takes {ids}; "
+        f"fix the labels, or give the output {int(value) + 1} units"
+    )
+
+
+def _same_shapes(specs, others) -> bool:
+    """Same structure and dtypes, and shapes that agree past the batch dimension."""
+    try:
+        tf.nest.assert_same_structure(specs, others)
+    except (ValueError, TypeError):
+        return False
+    return all(
+        spec.dtype == other.dtype
+        and spec.shape.rank == other.shape.rank
+        and spec.shape[1:].is_compatible_with(other.shape[1:])
+        for spec, other in zip(tf.nest.flatten(specs), tf.nest.flatten(others))
+    )
+
+
+def _check_validation_fits(model: keras.Model, train: FitData, validation: FitData) -> None:
+    """Validation batches run through the model and its loss (else they fail after an epoch).
+
+    Batches shaped like the training data's fit; others are traced through the model and the
+    compiled loss (a graph is built, nothing is computed), which finds what does not fit."""
+    x, y, sample_weight = _x_y_weight(validation.element_spec)
+    if _same_shapes(_x_y_weight(train.element_spec)[:2], (x, y)):
+        return
+
+    def loss(x, y, sample_weight):
+        y_pred = model(x, training=False)
+        return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+
+    try:
+        tf.function(loss, autograph=False).get_concrete_function(x, y, sample_weight)
+    except (ValueError, TypeError) as error:
+        shapes = lambda spec: tf.nest.map_structure(lambda s: tuple(s.shape), spec[:2])  # noqa: E731
+        raise UsageError(
+            f"validation_data do not fit model {model.name!r} ({_error_line(error)}); validation (x, y) "
+            f"{shapes((x, y))} vs training {shapes(_x_y_weight(train.element_spec))}: "
+            "give validation_data the training data's shapes"
+        ) from None
+
+
+def _error_line(error: Exception) -> str:
+    """The line of a Keras/TF error that says what is wrong (Keras wraps it in a header, bold
+    escape codes and the call's arguments)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
+    lines = lines[: next((i for i, line in enumerate(lines) if line.startswith("Arguments received")), None)]
+    useful = [line for line in lines if line and not line.startswith("Exception encountered when calling")]
+    return (useful or [type(error).__name__])[0][:300]
+
+
+def build_for_data(model: keras.Model, strategy, element_spec) -> None:
+    """Builds the model, compiled loss and metrics for this data; shape mismatches are user errors."""
+    try:
+        with strategy.scope():
+            compat.symbolic_build(model, element_spec)
+    except (ValueError, TypeError, RuntimeError) as error:
+        raise UsageError(
+            f"the data do not fit model {model.name!r} ({_error_line(error)}); inputs "
+            f"{[tuple(i.shape) for i in model.inputs] if hasattr(model, 'inputs') else '?'} "
+            f"vs data {tf.nest.map_structure(lambda s: tuple(s.shape), element_spec)}"
+        ) from None
+
+
+def steps_per_epoch_of(train: FitData, steps_per_epoch: int | None) -> int:
+    steps_per_epoch = steps_per_epoch or train.batches
+    if not steps_per_epoch:
+        raise UsageError("the training dataset's length is unknown or infinite; pass steps_per_epoch=")
+    if train.batches is not None and steps_per_epoch > train.batches:
+        raise UsageError(
+            f"steps_per_epoch={steps_per_epoch} is more than the {train.batches} batches "
+            "of the training data; repeat the dataset or lower steps_per_epoch"
+        )
+    return steps_per_epoch
+
+
+def check_data(model: keras.Model, strategy, train: FitData, validation: FitData | None) -> None:
+    """Everything about the data that would otherwise fail inside a step, or after an epoch."""
+    check_label_types(model, train)
+    build_for_data(model, strategy, train.element_spec)
+    check_label_values(model, train)
+    if validation is not None:
+        check_label_types(model, validation)
+        _check_validation_fits(model, train, validation)
+        check_label_values(model, validation)
+
+
+def validation_data_of(validation_data, batch_size: int) -> FitData:
+    if isinstance(validation_data, tf.data.Dataset):
+        return FitData(validation_data, None, None, None, False, 0, "validation data")
+    if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
+        raise UsageError("validation_data must be a tf.data.Dataset or a tuple (x, y[, sample_weight])")
+    return FitData(
+        *validation_data[:2],
+        validation_data[2] if len(validation_data) == 3 else None,
+        batch_size,
+        False,
+        0,
+        "validation data",
+    )
