@@ -168,6 +168,19 @@ def _measure_all(planned: list[dict], timeout: float, progress) -> None:
         )
 
 
+def _report_header(config: matrix.BenchConfig, found, started: float, load_before) -> dict:
+    """What every bench.json opens with: schema, config, date, hardware, versions, time, load."""
+    return {
+        "schema_version": schema.SCHEMA_VERSION,
+        "config": dataclasses.asdict(config),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "hardware": dict(hardware(), gpus=found.gpus, cpu_fast_bfloat16=found.cpu_fast_bfloat16),
+        "versions": found.versions,
+        "seconds": round(time.time() - started, 1),
+        "load_average": {"before": load_before, "after": load_average()},
+    }
+
+
 def run(config: matrix.BenchConfig, progress=print) -> dict:
     """Measures every cell, derives the ratios, writes bench.json and bench.png
     (`mode="memory"`: `run_memory_search`)."""
@@ -181,14 +194,8 @@ def run(config: matrix.BenchConfig, progress=print) -> dict:
     started, load_before = time.time(), load_average()
     _measure_all(planned, config.cell_timeout, progress)
     report = {
-        "schema_version": schema.SCHEMA_VERSION,
-        "config": dataclasses.asdict(config),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "hardware": dict(hardware(), gpus=found.gpus, cpu_fast_bfloat16=found.cpu_fast_bfloat16),
-        "versions": found.versions,
+        **_report_header(config, found, started, load_before),
         "cells": planned,
-        "seconds": round(time.time() - started, 1),
-        "load_average": {"before": load_before, "after": load_average()},
         "peak_method": next(c["result"]["method"] for c in planned if c["kind"] == "peak"),
         "memory_note": MEMORY_NOTE,
     }
@@ -261,13 +268,7 @@ def run_memory_search(config: matrix.BenchConfig, progress=print) -> dict:
             )
         )
     report = {
-        "schema_version": schema.SCHEMA_VERSION,
-        "config": dataclasses.asdict(config),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "hardware": dict(hardware(), gpus=found.gpus, cpu_fast_bfloat16=found.cpu_fast_bfloat16),
-        "versions": found.versions,
-        "seconds": round(time.time() - started, 1),
-        "load_average": {"before": load_before, "after": load_average()},
+        **_report_header(config, found, started, load_before),
         "memory_note": MEMORY_NOTE,
         "budget_mb": config.memory_budget_mb,
         "searches": searches,
