@@ -31,6 +31,18 @@ def mixed_vs_float32(result: dict, float32: dict) -> dict:
     return ratios
 
 
+def device_label(cell: dict) -> dict:
+    """What names an engine cell in a ratio row: model, precision, TF32, XLA and its devices."""
+    return {
+        "model": cell["model"],
+        "precision": cell["precision"],
+        "tf32": cell.get("tf32", True),
+        "xla": cell["xla"],
+        "replicas": cell["replicas"],
+        "workers": cell["workers"],
+    }
+
+
 def fused_vs_keras_norm(main: dict, key) -> list[dict]:
     """Rows for the fused engine cells of `main` ({key(cell): cell}) that have an unfused twin;
     `key(cell, **changes)` is the report's cell key."""
@@ -41,12 +53,7 @@ def fused_vs_keras_norm(main: dict, key) -> list[dict]:
             continue
         fused_result, keras_result = cell["result"], keras["result"]
         row = {
-            "model": cell["model"],
-            "precision": cell["precision"],
-            "tf32": cell.get("tf32", True),
-            "xla": cell["xla"],
-            "replicas": cell["replicas"],
-            "workers": cell["workers"],
+            **device_label(cell),
             "global_batch_size": cell["global_batch_size"],
             "value": fused_result["examples_per_sec"] / keras_result["examples_per_sec"],
             "peak_memory": fused_result["peak_memory_mb"] / keras_result["peak_memory_mb"],

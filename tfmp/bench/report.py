@@ -62,15 +62,7 @@ def derive(cells: list[dict]) -> dict:
 
     for key, cell in main.items():
         result, derived = cell["result"], {}
-        label = {
-            "model": cell["model"],
-            "precision": cell["precision"],
-            "tf32": cell.get("tf32", True),
-            "xla": cell["xla"],
-            "replicas": cell["replicas"],
-            "workers": cell["workers"],
-            "fused_norm": cell.get("fused_norm", False),
-        }
+        label = {**memory_report.device_label(cell), "fused_norm": cell.get("fused_norm", False)}
         if result["policy"] in peaks:
             derived["flops_fraction_of_peak"] = result["flops_per_sec"] / peaks[result["policy"]]
             ratios["flops_fraction_of_peak"].append(dict(label, value=derived["flops_fraction_of_peak"]))
