@@ -3,7 +3,7 @@
     import tfmp
     history = tfmp.fit(model, dataset, epochs=3)     # any compiled Keras model, any strategy
     tfmp.evaluate(model, eval_dataset)
-    tfmp.fuse_normalization(model)                   # BatchNormalization on the fused kernel
+    tfmp.fuse_normalization(model)                   # Batch/GroupNormalization on fused kernels
 
 `fit`, `evaluate` and `fuse_normalization` are loaded on first use, so `python -m tfmp.launch`
 starts without importing TensorFlow.

@@ -9,7 +9,8 @@
 Modules: `policy` (which policy on which hardware), `loss_scaling` (tfmp's replica-safe
 LossScaleOptimizer and the loss-scale flags), `doctor` (per-layer measurements, counted by
 `measures`), `report` (the table and precision_report.json), `layers` (copies of a model with
-float32 layers), `fused_norm` (BatchNormalization on the fused kernel, half precision in and out).
+float32 layers), `fused_norm` (BatchNormalization on the fused kernel and GroupNormalization on
+`group_norm`'s, half precision in and out).
 """
 
 from tfmp.precision.doctor import diagnose

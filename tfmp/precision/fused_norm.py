@@ -1,8 +1,9 @@
-"""BatchNormalization through TensorFlow's fused kernel, in place: half precision stays half.
+"""BatchNormalization on TensorFlow's fused kernel and GroupNormalization on a kernel of tfmp's,
+in place: half precision stays half.
 
     from tfmp.precision.fused_norm import fuse_normalization
     result = fuse_normalization(model)      # any built keras.Model: functional, Sequential, nested
-    result.fused                            # ("resnet/conv1_bn", ...) now on the fused kernel
+    result.fused                            # ("resnet/conv1_bn", ...) now on the fused kernels
     result.left_alone                       # (("resnet/head_bn", "2-D input"), ...)
 
 Why: Keras 3.15's `BatchNormalization.call` casts a float16/bfloat16 input to float32
@@ -12,6 +13,14 @@ backward pass keeps float32 copies of every normalised activation and mixed prec
 more memory than float32. `FusedBatchNormV3` (oneDNN or Eigen on CPU, cuDNN on GPU, its own
 lowering under XLA) reads and writes the activation in its own dtype, keeps float32 statistics,
 and its gradient needs only the input and two per-channel vectors.
+
+GroupNormalization (Keras 3.15's likewise casts half precision to float32 and normalises with
+separate ops: group_normalization.py `_apply_normalization`) goes to
+`tfmp.precision.group_norm`: float32 statistics per (example, group), the output rounded to the
+input's dtype once, and a hand-written gradient that recomputes from the input in its own dtype
+and two float32 numbers per (example, group), both passes XLA-compiled kernels. Left alone
+there: axes other than the last (channels-first), float64, subclasses that override `call`,
+layers not built yet. Keras' layer takes no mask and no `training`: neither does the fused one.
 
 What changes: each fusable layer's `call` is replaced on that instance (an instance attribute,
 never its class), so the layer objects, variables, names, weights, `get_config()` and the
@@ -31,12 +40,16 @@ The route depends on (Keras 3.15.1 / TensorFlow 2.21):
 - `Operation.__call__` calling `self.call`, an ordinary attribute lookup that finds the
   instance's before the class's (keras/src/ops/operation.py:58 and :81; `Layer.stateless_call`
   and remat likewise, layers/layer.py:1184-1188);
-- `Layer.__init__` caching `inspect.signature(self.call)` (layers/layer.py:317): the fused call
-  has the class's exact signature `(inputs, training=None, mask=None)`;
+- `Layer.__init__` caching `inspect.signature(self.call)` (layers/layer.py:317): each fused call
+  has its class's exact signature (BatchNormalization `(inputs, training=None, mask=None)`,
+  GroupNormalization `(inputs)`);
 - `BatchNormalization`'s attributes `axis`, `epsilon`, `momentum`, `center`, `scale`,
   `synchronized`, `renorm`, `gamma`, `beta`, `moving_mean`, `moving_variance`, `input_spec`;
 - `tf.compat.v1.nn.fused_batch_norm` (FusedBatchNormV3) returning, in training, the batch mean
-  and the variance times n / max(n - 1, 1) (fused_batch_norm_op.cc; the same under XLA).
+  and the variance times n / max(n - 1, 1) (fused_batch_norm_op.cc; the same under XLA);
+- `GroupNormalization`'s attributes `groups` (-1 resolved to the channel count by `build`),
+  `axis`, `epsilon`, `center`, `scale`, `gamma`, `beta`, `input_spec`, and its `autocast=False`
+  (the input arrives in its own dtype; the output is cast to the compute dtype).
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ import keras
 import tensorflow as tf
 
 from tfmp.errors import UsageError
+from tfmp.precision import group_norm
 
 FUSED_DTYPES = ("float16", "bfloat16", "float32")
 # MIOpen (ROCm) refuses epsilon below 1e-5, and a float32 1e-5 is just below that.
@@ -63,8 +77,9 @@ class FusedNormalization:
 
 
 def fuse_normalization(model) -> FusedNormalization:
-    """Makes every BatchNormalization in `model` that the fused kernel can compute use it, in
-    place, from the next call (re-trace a `tf.function` that already traced the model).
+    """Makes every BatchNormalization and GroupNormalization in `model` that the fused kernels
+    can compute use them, in place, from the next call (re-trace a `tf.function` that already
+    traced the model).
 
     Each layer is listed once, by the first path that reaches it; fusing twice changes nothing.
     """
@@ -74,7 +89,7 @@ def fuse_normalization(model) -> FusedNormalization:
             "build the model first and pass the model object"
         )
     fused, left_alone = [], []
-    for path, layer in _batch_norms(model):
+    for path, layer in _norms(model):
         reason = unfusable_reason(layer)
         if reason is not None:
             left_alone.append((path, reason))
@@ -82,21 +97,21 @@ def fuse_normalization(model) -> FusedNormalization:
         if not is_fused(layer):
             # A bound method in the instance's __dict__: Operation.__call__ finds it before the
             # class's. Copies (deepcopy, clone_model, load_model) go through the config: unfused.
-            layer.call = types.MethodType(_fused_call, layer)
+            layer.call = types.MethodType(_fused_call_of(layer), layer)
         fused.append(path)
     return FusedNormalization(tuple(fused), tuple(left_alone))
 
 
 def unfused(model: keras.Model) -> tuple[str, ...]:
-    """Paths of the BatchNormalization layers `fuse_normalization` would fuse and has not."""
+    """Paths of the normalization layers `fuse_normalization` would fuse and has not."""
     return tuple(
-        path for path, layer in _batch_norms(model) if unfusable_reason(layer) is None and not is_fused(layer)
+        path for path, layer in _norms(model) if unfusable_reason(layer) is None and not is_fused(layer)
     )
 
 
 def status(model: keras.Model) -> FusedNormalization:
     """What is fused in `model` now, and what `fuse_normalization` leaves alone (changes nothing)."""
-    layers = list(_batch_norms(model))
+    layers = list(_norms(model))
     return FusedNormalization(
         tuple(path for path, layer in layers if is_fused(layer)),
         tuple(
@@ -108,15 +123,24 @@ def status(model: keras.Model) -> FusedNormalization:
 def is_fused(layer) -> bool:
     """Whether `layer` runs `fuse_normalization`'s fused call."""
     call = vars(layer).get("call")
-    return getattr(call, "__func__", None) is _fused_call
+    return getattr(call, "__func__", None) is _fused_call_of(layer)
+
+
+def _fused_call_of(layer):
+    if isinstance(layer, keras.layers.GroupNormalization):
+        return group_norm.fused_call
+    return _fused_call
 
 
 def unfusable_reason(layer) -> str | None:
-    """Why the fused kernel cannot stand in for this BatchNormalization, or None if it can."""
-    if type(layer).call is not keras.layers.BatchNormalization.call:
-        return f"{type(layer).__name__} overrides call"
+    """Why the fused kernel cannot stand in for this BatchNormalization or GroupNormalization,
+    or None if it can."""
     if "call" in vars(layer) and not is_fused(layer):
         return "its call was already replaced on the instance"
+    if isinstance(layer, keras.layers.GroupNormalization):
+        return group_norm.unfusable_reason(layer)
+    if type(layer).call is not keras.layers.BatchNormalization.call:
+        return f"{type(layer).__name__} overrides call"
     if layer.synchronized:
         return "synchronized=True (cross-replica statistics)"
     if layer.renorm:
@@ -134,17 +158,18 @@ def unfusable_reason(layer) -> str | None:
     return None
 
 
-def _batch_norms(layer, path=None, seen=None):
-    """(path, layer) for each distinct BatchNormalization reachable from `layer`, in order."""
+def _norms(layer, path=None, seen=None):
+    """(path, layer) for each distinct Batch- or GroupNormalization reachable from `layer`, in
+    order."""
     path, seen = path or layer.name, seen or {id(layer)}
     for child in _sublayers(layer):
         if id(child) in seen:
             continue
         seen.add(id(child))
         child_path = f"{path}/{child.name}"
-        if isinstance(child, keras.layers.BatchNormalization):
+        if isinstance(child, (keras.layers.BatchNormalization, keras.layers.GroupNormalization)):
             yield child_path, child
-        yield from _batch_norms(child, child_path, seen)
+        yield from _norms(child, child_path, seen)
 
 
 def _sublayers(layer) -> list:

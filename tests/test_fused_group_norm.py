@@ -1,0 +1,210 @@
+"""fuse_normalization on GroupNormalization: tfmp.precision.group_norm computes Keras' numbers.
+
+    .venv/bin/python -m pytest tests/test_fused_group_norm.py -q -n 0
+
+As tests/test_fused_norm.py does for BatchNormalization, every check compares a fused layer or
+model with a Keras copy holding identical weights: outputs within 2 epsilons of the compute
+dtype (each side rounds once) plus float32 epsilon x the summed terms, times the values' scale.
+"""
+
+import json
+import os
+import sys
+import zipfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from test_fused_norm import LOAD_WITHOUT_TFMP, _assert_close, _relative_tolerance  # noqa: E402
+
+from tfmp.detection import retinanet  # noqa: E402
+from tfmp.precision.fused_norm import fuse_normalization, is_fused, status  # noqa: E402
+
+POLICIES = ["float32", "mixed_float16", "mixed_bfloat16"]
+# (groups, input shape, other config): channels-last 4-D with Keras' defaults, instance norm
+# (groups=-1) without centre or scale, layer norm (1 group), and a 3-D (sequence) input.
+VARIANTS = {
+    "defaults": (4, (3, 5, 6, 16), {}),
+    "instance-no-center-no-scale": (-1, (2, 4, 4, 8), {"center": False, "scale": False, "epsilon": 1e-5}),
+    "one-group": (1, (2, 4, 4, 8), {"epsilon": 1e-2}),
+    "3-d": (2, (3, 7, 8), {}),
+}
+IMAGE, CLASSES, BATCH, STEPS = (8, 8, 3), 4, 4, 3
+
+
+def _layer_pair(policy, groups, shape, config):
+    """A fused GroupNormalization and a Keras copy with the same random weights."""
+    rng = np.random.default_rng(0)
+    layers = [keras.layers.GroupNormalization(groups, dtype=policy, **config) for _ in range(2)]
+    for layer in layers:
+        layer.build(shape)
+    weights = [
+        rng.uniform(0.5, 2, w.shape) if "gamma" in w.name else rng.normal(0, 1, w.shape)
+        for w in layers[0].weights
+    ]
+    for layer in layers:
+        layer.set_weights(weights)
+    result = fuse_normalization(keras.Sequential([keras.Input(shape[1:]), layers[0]], name="pair"))
+    assert result.fused == ("pair/" + layers[0].name,) and not is_fused(layers[1])
+    return layers
+
+
+def _forward_backward(layer, xla):
+    @tf.function(jit_compile=xla)
+    def run(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
+        return y, tape.gradient(loss, [x, *layer.trainable_weights])
+
+    return run
+
+
+@pytest.mark.parametrize("xla", [False, True], ids=["xla-off", "xla-on"])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_layer_matches_keras(policy, variant, xla):
+    """Output, input gradient and gamma/beta gradients of sum(output * upstream), with and
+    without XLA, in each policy: the output and the input gradient in the compute dtype."""
+    groups, shape, config = VARIANTS[variant]
+    fused, reference = _layer_pair(policy, groups, shape, config)
+    compute = fused.compute_dtype
+    rng = np.random.default_rng(1)
+    x = tf.cast(rng.normal(1.0, 3.0, shape).astype(np.float32), compute)  # what a conv hands it
+    upstream = rng.normal(0, 1, shape).astype(np.float32)
+    y, grads = _forward_backward(fused, xla)(x, upstream)
+    y_ref, grads_ref = _forward_backward(reference, xla)(x, upstream)
+    assert y.dtype == y_ref.dtype == compute and grads[0].dtype == grads_ref[0].dtype == compute
+    terms = int(np.prod(shape[1:])) // fused.groups  # the elements each group statistic sums
+    _assert_close(y, y_ref, compute, terms=terms, what="output")
+    _assert_close(grads[0], grads_ref[0], compute, terms=terms, what="input gradient")
+    # gamma's and beta's gradients: float32 sums over the examples and positions of terms each
+    # at most |upstream| x |normalised input| (<= sqrt(group size)).
+    scale = np.abs(upstream).reshape(-1, shape[-1]).sum(0).max() * np.sqrt(terms)
+    assert len(grads) == 1 + 2 * bool(config.get("scale", True))
+    for mine, theirs, weight in zip(grads[1:], grads_ref[1:], fused.trainable_weights):
+        _assert_close(mine, theirs, "float32", terms=shape[0] * terms, scale=scale, what=weight.name)
+
+
+def tiny_gn_model(policy="float32", seed=1) -> keras.Model:
+    """conv -> GroupNorm -> relu twice, global pool, a float32 Dense head; seeded weights."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(IMAGE)
+    x = inputs
+    for index in range(2):
+        x = keras.layers.Conv2D(8, 3, padding="same", use_bias=False, dtype=policy, name=f"conv{index}")(x)
+        x = keras.layers.GroupNormalization(4, dtype=policy, name=f"gn{index}")(x)
+        x = keras.layers.ReLU(dtype=policy)(x)
+    x = keras.layers.GlobalAveragePooling2D(dtype=policy)(x)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, dtype="float32", name="head")(x), name="tiny")
+
+
+def _train(model, xla=False):
+    """Per-step losses of STEPS plain SGD steps (a tf.function step, XLA on or off)."""
+    rng = np.random.default_rng(2)
+    images = rng.normal(0.5, 1.0, (STEPS, BATCH, *IMAGE)).astype(np.float32)
+    labels = rng.integers(0, CLASSES, (STEPS, BATCH)).astype(np.int32)
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_weights)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(jit_compile=xla)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.apply(tape.gradient(loss, model.trainable_weights), model.trainable_weights)
+        return loss
+
+    return [float(step(images[i], labels[i])) for i in range(STEPS)]
+
+
+@pytest.mark.parametrize("xla", [False, True], ids=["xla-off", "xla-on"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_conv_model_trains_like_keras(policy, xla):
+    """STEPS SGD steps of the tiny GroupNorm model, fused vs Keras: loss curves and every final
+    weight within the compute dtype's rounding."""
+    fused, reference = tiny_gn_model(policy), tiny_gn_model(policy)
+    start = [w.numpy() for w in fused.weights]
+    reference.set_weights(start)
+    assert fuse_normalization(fused).fused == ("tiny/gn0", "tiny/gn1")
+    losses, reference_losses = _train(fused, xla), _train(reference, xla)
+    compute = keras.mixed_precision.Policy(policy).compute_dtype
+    terms = BATCH * IMAGE[0] * IMAGE[1] * 2  # a group statistic's or a weight gradient's terms, at most
+    tolerance = dict(dtype=compute, terms=STEPS * terms, roundings=STEPS * 2 * 2)
+    np.testing.assert_allclose(losses, reference_losses, rtol=_relative_tolerance(**tolerance))
+    for before, mine, theirs in zip(start, fused.weights, reference.weights):
+        update = theirs.numpy() - before
+        _assert_close(mine.numpy() - before, update, **tolerance, what=mine.path)
+        assert np.abs(update).max() > 0, f"{mine.path} did not change"
+
+
+def test_retinanet_tiny_fuses_every_group_norm_and_predicts_like_keras():
+    """The detector's 14 GroupNormalization layers (10 in the backbone, 2 per subnet, shared by
+    the three pyramid levels, so called on three shapes) are fused; its float32 outputs are
+    Keras' within float32 rounding."""
+    model = retinanet.build_detector("retinanet_tiny", 64, num_classes=3)
+    reference = retinanet.build_detector("retinanet_tiny", 64, num_classes=3)
+    reference.set_weights(model.get_weights())
+    result = fuse_normalization(model)
+    norms = [layer for layer in model.layers if isinstance(layer, keras.layers.GroupNormalization)]
+    assert len(result.fused) == len(norms) == 14 and result.left_alone == ()
+    assert status(model).fused == result.fused
+    images = np.random.default_rng(3).uniform(0, 1, (2, 64, 64, 3)).astype(np.float32)
+    outputs, expected = model(images, training=True), reference(images, training=True)
+    for key in ("classes", "boxes"):
+        # Each of the ~12 layers between input and output may round once differently.
+        _assert_close(outputs[key], expected[key], "float32", terms=12 * 64 * 9, what=key)
+
+
+class _OwnGroupNorm(keras.layers.GroupNormalization):
+    def call(self, inputs):
+        return super().call(inputs) * 2
+
+
+def test_unfusable_group_norms_are_listed_with_their_reasons():
+    inputs = keras.Input((4, 4, 8))
+    x = keras.layers.GroupNormalization(2, name="fusable")(inputs)
+    x = keras.layers.GroupNormalization(2, axis=1, name="channels_first")(x)
+    x = keras.layers.GroupNormalization(2, dtype="float64", name="double")(x)
+    x = _OwnGroupNorm(2, name="own")(x)
+    result = fuse_normalization(keras.Model(inputs, x, name="model"))
+    assert result.fused == ("model/fusable",)
+    assert result.left_alone == (
+        ("model/channels_first", "axis 1 (fused: the last axis, channels-last)"),
+        ("model/double", "compute dtype float64"),
+        ("model/own", "_OwnGroupNorm overrides call"),
+    )
+    unbuilt = fuse_normalization(
+        keras.Sequential([keras.layers.GroupNormalization(2, name="gn")], name="seq")
+    )
+    assert unbuilt.left_alone == (("seq/gn", "not built: call or build the model first"),)
+
+
+def test_saved_fused_model_loads_in_plain_keras(tmp_path):
+    """A fused, trained GroupNorm model saved to .keras: the config.json of the unfused model,
+    and a fresh process that imports only keras and numpy predicts what the fused model does."""
+    from conftest import run_python
+
+    model = tiny_gn_model()
+    model.save(tmp_path / "unfused.keras")
+    fuse_normalization(model)
+    _train(model)
+    images = np.random.default_rng(4).normal(0.5, 1.0, (BATCH, *IMAGE)).astype(np.float32)
+    predictions = np.asarray(model(images, training=False))
+    model.save(tmp_path / "fused.keras")
+    config_json = [
+        zipfile.ZipFile(tmp_path / f"{name}.keras").read("config.json") for name in ("unfused", "fused")
+    ]
+    assert config_json[0] == config_json[1]
+    np.save(tmp_path / "images.npy", images)
+    paths = [str(tmp_path / name) for name in ("fused.keras", "images.npy", "loaded.npy")]
+    result = run_python(["-c", LOAD_WITHOUT_TFMP, *paths], cwd=str(tmp_path), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert loaded["tfmp"] == [] and "GroupNormalization" in loaded["classes"]
+    _assert_close(np.load(paths[2]), predictions, "float32", terms=2 * 72, what="predictions")
