@@ -35,7 +35,7 @@ def _config(**changes):
     return bench.BenchConfig(**dict(values, **changes))
 
 
-def test_fused_norm_is_a_dimension_of_classifier_cells_only():
+def test_fused_norm_is_a_dimension_of_classifier_and_detector_cells():
     config = _config(models=["keras_bn_cnn", "retinanet_tiny"], fused_norm=[False, True], references=True)
     bench.validate(config, ENVIRONMENT)
     engine = [c for c in bench.cells(config, ENVIRONMENT) if c["kind"] in ("engine", "fit")]
@@ -48,7 +48,8 @@ def test_fused_norm_is_a_dimension_of_classifier_cells_only():
             for f in (False, True)
             for k in ("engine", "fit")
         ),
-        *(("retinanet_tiny", p, False, "engine") for p in config.precisions),  # detectors: as built
+        # Detectors (GroupNormalization) too; they have no Keras-fit reference.
+        *(("retinanet_tiny", p, f, "engine") for p in config.precisions for f in (False, True)),
     }
     labels = [
         bench.describe_cell(c) for c in engine if c["model"] == "keras_bn_cnn" and c["kind"] == "engine"
@@ -66,6 +67,16 @@ def test_bn_study_plans_one_cell_per_precision():
     assert bench.describe_cell(studies[0]).startswith(
         "BatchNormalization alone float32: Keras' layer vs fused"
     )
+    groups = _config(bn_study=True, bn_study_shape=[2, 4, 4, 8], bn_study_rounds=3, bn_study_groups=4)
+    (study, *_) = [c for c in bench.cells(groups, ENVIRONMENT) if c["kind"] == "bn_study"]
+    assert study == {
+        "kind": "bn_study",
+        "precision": "float32",
+        "shape": [2, 4, 4, 8],
+        "rounds": 3,
+        "groups": 4,
+    }
+    assert bench.describe_cell(study).startswith("GroupNormalization(4) alone float32: Keras' layer vs fused")
 
 
 def test_memory_settings_are_one_device_train_cells_without_a_batch():
@@ -77,8 +88,8 @@ def test_memory_settings_are_one_device_train_cells_without_a_batch():
     assert [(s["model"], s["precision"], s["fused_norm"]) for s in found] == [
         ("resnet20", "float32", True),
         ("resnet20", "mixed_bfloat16", True),
-        ("retinanet_tiny", "float32", False),
-        ("retinanet_tiny", "mixed_bfloat16", False),
+        ("retinanet_tiny", "float32", True),
+        ("retinanet_tiny", "mixed_bfloat16", True),
     ]
     for setting in found:
         assert setting["kind"] == "engine" and setting["mode"] == "train"
@@ -91,6 +102,8 @@ def test_memory_settings_are_one_device_train_cells_without_a_batch():
         (dict(fused_norm=[]), "--fused_norm needs at least one value"),
         (dict(bn_study_shape=[64, 48, 64]), r"--bn_study_shape=\[64, 48, 64\] must be 4 sizes >= 1"),
         (dict(bn_study_rounds=0), "--bn_study_rounds=0 must be >= 1"),
+        (dict(bn_study_groups=3), "bn_study_groups=3 must be 0 or divide the channels"),
+        (dict(bn_study_groups=-1), "bn_study_groups=-1 must be 0 or divide the channels"),
         (dict(models=["keras_vgg"]), "unknown model 'keras_vgg'; choose one of: .*keras_bn_cnn"),
     ],
 )
@@ -335,6 +348,7 @@ def test_fused_vs_keras_norm_pairs_cells_that_differ_only_in_fusing():
     assert memory_rows == pytest.approx({False: 750 / 900, True: 450 / 720})
     (bn,) = ratios["fused_vs_keras_bn"]
     assert (bn["value"], bn["peak_memory"]) == pytest.approx((0.26, 200 / 300))
+    assert bn["layer"] == "BatchNormalization"  # a result without "layer": an older report
     text = bench_report.table(cells, ratios)
     assert (
         "fused / Keras BatchNormalization: keras_bn_cnn mixed_bfloat16 batch 64 1 replica(s) xla=off: examples/s 1.25x"

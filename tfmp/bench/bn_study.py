@@ -1,17 +1,20 @@
-"""One BatchNormalization alone: Keras' layer against the fused kernel, forward + backward.
+"""One normalization layer alone: Keras' layer against the fused one, forward + backward.
 
     from tfmp.bench import bn_study
     result = bn_study.measure("mixed_bfloat16", shape=[64, 48, 48, 64], rounds=20)
     result["value"]      # fused / Keras seconds per call: the median of the rounds' ratios
+    bn_study.measure("mixed_bfloat16", shape=[8, 64, 64, 64], rounds=20, groups=32)  # GroupNorm
 
 Runs in a cell process of its own, one per policy (`python -m apps.bench --bn_study` plans
 `{"kind": "bn_study", "precision": ..., "shape": [...], "rounds": N}` for float32,
-mixed_bfloat16 and mixed_float16). Two BatchNormalization layers of the policy (Keras'
-defaults), one left as Keras computes it and one put on FusedBatchNormV3 by
+mixed_bfloat16 and mixed_float16; a cell with "groups": G studies GroupNormalization(G)
+instead: `python -m tfmp.bench.cell '{..., "groups": 32}'`). Two BatchNormalization (or
+GroupNormalization) layers of the policy (Keras' defaults otherwise), one left as Keras computes
+it and one put on FusedBatchNormV3 (on `tfmp.precision.group_norm`) by
 `tfmp.precision.fuse_normalization`, each in a `tf.function` of one training-mode forward and
 the gradients with respect to the input, gamma and beta (a fixed random upstream gradient, so
 the backward pass is a real one), on the same input in the policy's compute dtype: what a
-convolution hands BatchNormalization inside a mixed-precision model.
+convolution hands the normalization inside a mixed-precision model.
 
 The two are timed in turn, in one process: each round times `calls` calls of one function,
 then of the other (the order alternates from round to round), so what the shared machine does
@@ -35,13 +38,17 @@ MIN_TIMING_SECONDS = 0.2  # one timed batch of calls: well above timer and dispa
 WARMUP_CALLS = 2  # the first call traces
 
 
-def _forward_backward(policy: str, shape: list[int], fused: bool):
-    """A tf.function: one BatchNormalization's training forward and its gradients."""
-    layer = keras.layers.BatchNormalization(dtype=policy)
+def _forward_backward(policy: str, shape: list[int], fused: bool, groups: int = 0):
+    """A tf.function: one BatchNormalization's (GroupNormalization(groups)'s if groups > 0)
+    training forward and its gradients."""
+    if groups:
+        layer = keras.layers.GroupNormalization(groups, dtype=policy)
+    else:
+        layer = keras.layers.BatchNormalization(dtype=policy)
     inputs = keras.Input(shape=tuple(shape[1:]))
     model = keras.Model(inputs, layer(inputs))  # builds the layer for this shape
     if fused:
-        precision.fuse_normalization(model)
+        assert precision.fuse_normalization(model).fused, "the study's layer was not fused"
 
     @tf.function
     def step(images, upstream):
@@ -74,7 +81,7 @@ def _seconds(step, arguments, calls: int) -> float:
     return (time.perf_counter() - started) / calls
 
 
-def measure(policy: str, shape: list[int], rounds: int) -> dict:
+def measure(policy: str, shape: list[int], rounds: int, groups: int = 0) -> dict:
     """Keras' and the fused layer's ms per forward + backward, timed in turn, and their peaks."""
     policy = precision.resolve(policy).policy
     compute_dtype = keras.dtype_policies.get(policy).compute_dtype
@@ -83,8 +90,8 @@ def measure(policy: str, shape: list[int], rounds: int) -> dict:
     upstream = tf.random.normal(shape)
     arguments = (images, upstream)
     steps = {
-        "keras": _forward_backward(policy, shape, False),
-        "fused": _forward_backward(policy, shape, True),
+        "keras": _forward_backward(policy, shape, False, groups),
+        "fused": _forward_backward(policy, shape, True, groups),
     }
     for step in steps.values():
         _seconds(step, arguments, WARMUP_CALLS)
@@ -98,6 +105,7 @@ def measure(policy: str, shape: list[int], rounds: int) -> dict:
     ratios = [fused / keras for fused, keras in zip(times["fused"], times["keras"])]
     return {
         "policy": policy,
+        "layer": f"GroupNormalization({groups})" if groups else "BatchNormalization",
         "compute_dtype": compute_dtype,
         "shape": list(shape),
         "rounds": rounds,

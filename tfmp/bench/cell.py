@@ -21,9 +21,10 @@ More kinds: `pipeline` (`tfmp.bench.pipeline.measure` rows, "model", "image_size
 (`tfmp.bench.python_threads.measure`, "unit_seconds"), `layer_profile` (`tfmp.bench.layer_profile`:
 per-layer milliseconds in "policies" and the Engine step, "layer_repeats" and the engine keys)
 `bn_study` (`tfmp.bench.bn_study`: one BatchNormalization's forward + backward, Keras' layer
-vs fused, "precision", "shape", "rounds") and `environment` (the names and hardware facts the
-parent plans with, `matrix.Environment`). Engine and fit cells take "fused_norm" (classifiers:
-`tfmp.precision.fuse_normalization` before compile, see `tfmp.bench.workloads`).
+vs fused, "precision", "shape", "rounds"; "groups": G > 0 studies GroupNormalization(G)) and
+`environment` (the names and hardware facts the parent plans with, `matrix.Environment`).
+Engine and fit cells take "fused_norm" (`tfmp.precision.fuse_normalization` before compile,
+see `tfmp.bench.workloads`).
 The result is printed as one line: `BENCH_RESULT {json}`.
 """
 
@@ -198,7 +199,7 @@ def measure(cell: dict) -> dict:
     if cell["kind"] == "input_cost":
         return input_cost.measure(cell)
     if cell["kind"] == "bn_study":
-        return bn_study.measure(cell["precision"], cell["shape"], cell["rounds"])
+        return bn_study.measure(cell["precision"], cell["shape"], cell["rounds"], cell.get("groups", 0))
     # Before anything starts TensorFlow's runtime: it fixes its thread pools then.
     distribute.set_threads(cell.get("intra_op_threads", 0), cell.get("inter_op_threads", 0))
     if cell["kind"] == "pipeline":

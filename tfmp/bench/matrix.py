@@ -19,9 +19,10 @@ threads vs the GIL). `layer_profile` (a list of model names) plans the cells of 
 (`runner.run_layer_profile`): each model's layers timed in float32 and mixed_bfloat16 at
 `image_size` and `global_batch_size` against the Engine's step (`tfmp.bench.layer_profile`).
 
-`fused_norm` ([True], the default as in the apps, [False] or both) is a dimension of classifier cells (true: the model's
-BatchNormalization fused before compile, `tfmp.bench.workloads`); detectors run as built.
-`bn_study` adds a `bn_study` cell per BN_STUDY_PRECISIONS (`tfmp.bench.bn_study`). `mode="memory"`
+`fused_norm` ([True], the default as in the apps, [False] or both) is a dimension of the train
+cells (true: the model's BatchNormalization and GroupNormalization fused before compile,
+`tfmp.bench.workloads`). `bn_study` adds a `bn_study` cell per BN_STUDY_PRECISIONS
+(`tfmp.bench.bn_study`; `bn_study_groups` > 0: GroupNormalization). `mode="memory"`
 plans no matrix: `tfmp.bench.memory` searches each setting's largest batch under
 `memory_budget_mb` (`runner.run_memory_search`).
 
@@ -88,6 +89,7 @@ class BenchConfig:
     bn_study: bool = False
     bn_study_shape: list[int] = dataclasses.field(default_factory=lambda: [64, 48, 48, 64])  # NHWC
     bn_study_rounds: int = 20  # Keras' layer and the fused one timed in turn, this many times each
+    bn_study_groups: int = 0  # 0: BatchNormalization; G > 0: GroupNormalization(G) (C % G == 0)
     memory_budget_mb: float = 0  # mode="memory": the live-peak budget (MiB) a batch must fit
     memory_probe_batches: list[int] = dataclasses.field(default_factory=lambda: [16, 32])  # the fit's
     memory_batch_step: int = 1  # the batches tried are multiples of this
@@ -166,6 +168,8 @@ def check(config: BenchConfig) -> None:
         raise UsageError(
             f"--bn_study_shape={config.bn_study_shape} must be 4 sizes >= 1: batch, height, width, channels"
         )
+    if config.bn_study_groups < 0 or config.bn_study_shape[-1] % max(config.bn_study_groups, 1):
+        raise UsageError(f"bn_study_groups={config.bn_study_groups} must be 0 or divide the channels")
 
 
 def check_names(config: BenchConfig, environment: Environment) -> None:
@@ -235,6 +239,7 @@ def study_cells(config: BenchConfig) -> list[dict]:
                 "precision": policy,
                 "shape": list(config.bn_study_shape),
                 "rounds": config.bn_study_rounds,
+                **({"groups": config.bn_study_groups} if config.bn_study_groups else {}),
             }
             for policy in BN_STUDY_PRECISIONS
         ]
@@ -283,13 +288,11 @@ def shared_settings(config: BenchConfig) -> dict:
 
 def setting_groups(config: BenchConfig, environment: Environment, model: str):
     """Each (precision, tf32, xla, fused_norm) setting of `model`'s cells."""
-    # Detectors are measured as built: fusing is a classifier dimension.
-    fused = [False] if environment.is_detector(model) else config.fused_norm
     for precision in config.precisions:
         # TF32 only changes float32 math; mixed policies are measured once.
         for tf32 in config.tf32 if precision == "float32" else [True]:
             for xla in config.xla:
-                for fused_norm in fused:
+                for fused_norm in config.fused_norm:
                     yield dict(model=model, precision=precision, xla=xla, tf32=tf32, fused_norm=fused_norm)
 
 
@@ -382,7 +385,7 @@ def describe_cell(cell: dict) -> str:
         )
     if cell["kind"] == "bn_study":
         return (
-            f"BatchNormalization alone {cell['precision']}: Keras' layer vs fused, fwd+bwd on "
+            f"{_norm_layer(cell)} alone {cell['precision']}: Keras' layer vs fused, fwd+bwd on "
             f"{'x'.join(map(str, cell['shape']))}, {cell['rounds']} rounds in turn"
         )
     if cell.get("study") == "threads":
@@ -399,3 +402,7 @@ def describe_cell(cell: dict) -> str:
         f"{cell['model']} {cell['precision']}{tf32} {devices} xla={'on' if cell['xla'] else 'off'} "
         f"batch {cell['global_batch_size']}{kind}{data}{fused}"
     )
+
+
+def _norm_layer(cell: dict) -> str:
+    return f"GroupNormalization({cell['groups']})" if cell.get("groups") else "BatchNormalization"

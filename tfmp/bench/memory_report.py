@@ -78,6 +78,8 @@ def fused_vs_keras_bn(cells: list[dict]) -> list[dict]:
                 {
                     "precision": cell["precision"],
                     "policy": result["policy"],
+                    # Reports before GroupNormalization could be studied have no "layer".
+                    "layer": result.get("layer", "BatchNormalization"),
                     "shape": result["shape"],
                     "keras_ms": result["keras_ms"],
                     "fused_ms": result["fused_ms"],
@@ -101,7 +103,7 @@ def lines(ratios: dict, devices) -> list[str]:
     for row in ratios["fused_vs_keras_bn"]:
         memory = "" if row["peak_memory"] is None else f", live peak {row['peak_memory']:.2f}x"
         result.append(
-            f"BatchNormalization alone, fwd+bwd on {'x'.join(map(str, row['shape']))} {row['policy']}: fused "
+            f"{row['layer']} alone, fwd+bwd on {'x'.join(map(str, row['shape']))} {row['policy']}: fused "
             f"{row['fused_ms']:.2f} ms / Keras {row['keras_ms']:.2f} ms = {row['value']:.2f}x (median of rounds "
             f"timed in turn){memory}"
         )

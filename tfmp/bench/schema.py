@@ -127,6 +127,7 @@ RATIOS = {
     "fused_vs_keras_bn": {
         "precision": "string",
         "policy": "string",
+        "layer": "string",
         "shape": "list",
         "keras_ms": "number",
         "fused_ms": "number",
@@ -161,6 +162,7 @@ RATIOS = {
 
 BN_STUDY_RESULT = {
     "policy": "string",
+    "layer": "string",  # "BatchNormalization" or "GroupNormalization(G)"
     "compute_dtype": "string",
     "shape": "list",
     "rounds": "integer",

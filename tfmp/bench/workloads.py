@@ -6,9 +6,9 @@
 
 Classifiers (`tfmp.models.MODELS`, and the plain Keras models of `tfmp.bench.keras_models`) train
 on the cell's "data" ("builtin": `digits` for the MNIST-shaped models, `shapes` otherwise). A
-classifier cell with "fused_norm": true has `tfmp.precision.fuse_normalization` run on its model
-right after it is built, before compile and the Engine trace it (false, the default: the model
-as built). Detectors (`tfmp.detection.retinanet.DETECTORS`,
+cell with "fused_norm": true has `tfmp.precision.fuse_normalization` run on its model (its
+BatchNormalization and GroupNormalization layers) right after it is built, before compile and
+the Engine trace it (false, the default: the model as built). Detectors (`tfmp.detection.retinanet.DETECTORS`,
 `tfmp.detection.faster_rcnn.DETECTORS`) train on the built-in detection `shapes`: the pipeline
 draws the scenes and pads the ground truth, anchors (and Faster R-CNN's ROIs) are matched on
 the device inside the step; "synthetic" repeats one such batch from memory. Every model starts
@@ -68,9 +68,7 @@ def classifier_setup(cell: dict, strategy, policy: str):
     with strategy.scope():
         model = _build_classifier(cell["model"], info.image_shape, info.num_classes, policy)
         optimizer = _optimizer(policy)
-    if cell.get("fused_norm", False):
-        # In place and before anything traces the model: compile's build and the Engine's step.
-        precision.fuse_normalization(model)
+    _fuse_if_asked(cell, model)
     compile_classifier(model, optimizer, strategy)
 
     def dataset_fn(context):
@@ -119,6 +117,7 @@ def retinanet_setup(cell: dict, strategy, policy: str):
     with strategy.scope():
         model = retinanet.build_detector(cell["model"], size, info.num_classes, dtype=policy)
         optimizer = _optimizer(policy)
+    _fuse_if_asked(cell, model)
     compile_detector(model, optimizer, strategy, matcher=matcher, max_boxes=info.max_boxes)
     return model, optimizer, _shapes_dataset_fn(cell, _retinanet_elements), (size, size, 3)
 
@@ -133,10 +132,18 @@ def faster_rcnn_setup(cell: dict, strategy, policy: str):
     with strategy.scope():
         model = faster_rcnn.build_detector(cell["model"], size, info.num_classes, dtype=policy)
         optimizer = _optimizer(policy)
+    _fuse_if_asked(cell, model)
+    with strategy.scope():
         model.compile(optimizer=optimizer, loss=rcnn_losses.FasterRCNNLoss(rcnn_task.TASK.class_loss))
     dataset_fn = _shapes_dataset_fn(cell, rcnn_task.model_elements)
     fit_data.build_for_data(model, strategy, dataset_fn(None).element_spec)
     return model, optimizer, dataset_fn, (size, size, 3)
+
+
+def _fuse_if_asked(cell: dict, model) -> None:
+    if cell.get("fused_norm", False):
+        # In place and before anything traces the model: compile's build and the Engine's step.
+        precision.fuse_normalization(model)
 
 
 def setup_for(name: str):
