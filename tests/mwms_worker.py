@@ -7,11 +7,15 @@ Prints one JSON line per check, each with a "kind", for the tests to compare acr
 - "classify" (tests/test_matrix.py): LeNet on the built-in digits for a few steps under every
   precision, with and without XLA, through the same Engine the apps use: loss, eval over the
   whole split against this worker's own count, and a digest of every model and optimizer variable;
+- "pipeline_2d*" (tests/test_pipeline_2d.py): the same LeNet cells as a 2-stage pipeline on each
+  worker's 2 logical CPUs (tests/pipeline_2d_worker.py);
 - "overflow": one float16 step with inf images on worker 1 only, which both must skip;
 - "detect" and "faster_rcnn" (tests/test_detect_app.py, tests/test_faster_rcnn.py): the tiny
   RetinaNet and Faster R-CNN in every precision x XLA cell;
 - "fit" (tests/test_fit.py): a user's tfmp.fit script (tests/fit_worker.py) on this strategy.
-The strategy comes from `get_strategy("auto")`, as a user's script gets it under the launcher.
+The strategy comes from `get_strategy("auto", one_replica_per_worker=True)`: on CPU the same
+MultiWorkerMirroredStrategy as a user's script gets under the launcher (one CPU replica per
+worker), whose workers' CPUs are split in 2 logical devices for the pipeline's stages.
 """
 
 import hashlib
@@ -28,6 +32,7 @@ import fit_worker  # noqa: E402
 import keras  # noqa: E402
 import mwms_detect_worker  # noqa: E402
 import numpy as np  # noqa: E402
+import pipeline_2d_worker  # noqa: E402
 import rounding  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -48,10 +53,14 @@ def main():
     # As in the pytest processes (tests/conftest.py): no Grappler rewrites of the freshly traced
     # graphs these cells run for a few steps; the reference runs of test_fit compare alike.
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
-    strategy = distribute.get_strategy("auto")
+    # 2 logical CPUs per worker for the pipeline cells' stages; on CPU the strategy with one
+    # replica per worker is the one every other cell gets too (one CPU replica per worker).
+    distribute.split_cpu(2, "--pipeline_stages")
+    strategy = distribute.get_strategy("auto", one_replica_per_worker=True)
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     print(json.dumps({"kind": "strategy", "multi_worker": multi_worker}), flush=True)
     classification_cells(strategy)
+    pipeline_2d_worker.cells(strategy, IMAGE_SIZE, STEPS)
     overflow_on_worker_1(strategy)
     mwms_detect_worker.detection_cells(strategy)
     fit_worker.run(strategy)

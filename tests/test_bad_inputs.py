@@ -23,6 +23,9 @@ from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 
 TF_CONFIG_INDEX_3 = '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}'
+TF_CONFIG_TWO_WORKERS = (
+    '{"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 0}}'
+)
 
 # (app, arguments, environment, what the one `error:` line must contain)
 APP_CASES = [
@@ -57,6 +60,20 @@ APP_CASES = [
         "--pipeline_stages=2 with --strategy=mirrored",
     ),
     ("classify", ["--pipeline_stages=2", "--micro_batches=0"], {}, "--micro_batches=0"),
+    # Two-dimensional parallelism (a pipeline on every worker): refused before waiting for peers.
+    (
+        "classify",
+        ["--pipeline_stages=2", "--cpu_replicas=2"],
+        {},
+        "--cpu_replicas=2 with --pipeline_stages=2",
+    ),
+    ("classify", ["--pipeline_stages=1000"], {}, "--pipeline_stages=1000 is more than the"),
+    (
+        "classify",
+        ["--pipeline_stages=2", "--micro_batches=3", "--global_batch_size=64"],
+        {"TF_CONFIG": TF_CONFIG_TWO_WORKERS},
+        "--micro_batches=3 does not divide the per-worker batch 32 (global batch 64 over 2 workers)",
+    ),
     ("classify", [], {"TF_CONFIG": TF_CONFIG_INDEX_3}, "TF_CONFIG task index 3 is out of range for 1 worker"),
     ("classify", [], {"TF_CONFIG": '{"cluster": '}, "TF_CONFIG"),
     ("classify", ["--strategy=mirrored"], {"TF_CONFIG": TF_CONFIG_INDEX_3}, "TF_CONFIG"),

@@ -250,17 +250,18 @@ class Pruner:
         for layer in self.layers:
             if isinstance(layer.kernel.constraint, MaskConstraint):
                 raise UsageError(f"layer {layer.name!r} is already pruned; make one Pruner per model")
-        with _variable_scope(self.layers[0].kernel):
-            self.masks = [
-                keras.Variable(
-                    initializer="ones",
-                    shape=layer.kernel.shape,
-                    dtype=layer.kernel.dtype,
-                    trainable=False,
-                    name=f"{layer.name}_pruning_mask",
+        self.masks = []
+        for layer in self.layers:
+            with _variable_scope(layer.kernel):
+                self.masks.append(
+                    keras.Variable(
+                        initializer="ones",
+                        shape=layer.kernel.shape,
+                        dtype=layer.kernel.dtype,
+                        trainable=False,
+                        name=f"{layer.name}_pruning_mask",
+                    )
                 )
-                for layer in self.layers
-            ]
         for layer, mask in zip(self.layers, self.masks):
             layer.kernel.constraint = MaskConstraint(mask, layer.kernel.constraint)
         self._checkpointed = _Masks(self.masks)
@@ -332,9 +333,12 @@ def _unique_names(layers) -> list[str]:
 
 
 def _variable_scope(kernel: keras.Variable):
-    # Masks must be the same kind of variable as the kernels (mirrored under a strategy).
+    # Masks must be the same kind of variable as the kernels (mirrored under a strategy), and a
+    # plain kernel's mask sits on its device (a pipeline stage's).
     variable = kernel.value
-    if isinstance(variable, tf.distribute.DistributedValues) and not tf.distribute.has_strategy():
+    if not isinstance(variable, tf.distribute.DistributedValues):
+        return tf.device(variable.device)
+    if not tf.distribute.has_strategy():
         return variable.distribute_strategy.scope()
     return contextlib.nullcontext()
 

@@ -49,7 +49,7 @@ class ClassificationTask:
         )
 
     def build_model(self, config, plan) -> keras.Model:
-        with plan.strategy.scope():
+        with plan.model_strategy.scope():
             return models.build(config.model, plan.info.image_shape, plan.info.num_classes, dtype=plan.policy)
 
     def compile(self, model, optimizer, plan) -> keras.Model:

@@ -85,7 +85,7 @@ class DetectionTask:
         return boxes.generate_anchors(plan.info.image_size, retinanet.anchor_config(config.model))
 
     def build_model(self, config, plan) -> keras.Model:
-        with plan.strategy.scope():
+        with plan.model_strategy.scope():
             return retinanet.build_detector(
                 config.model, plan.info.image_size, plan.info.num_classes, dtype=plan.policy
             )

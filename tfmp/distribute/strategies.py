@@ -33,14 +33,21 @@ LR_SCALING = ("none", "linear", "sqrt")
 DEFAULT_STARTUP_TIMEOUT = 120.0
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (a launched worker's share), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def max_cpu_devices() -> int:
-    """The most logical CPU devices `split_cpu` makes: 4 per core. One per core is the useful
-    split; a few more still test replica counts on a small host, while 1000 would stall the
-    first step for many minutes (each device gets its own executor and copy of every variable)."""
-    return 4 * (os.cpu_count() or 1)
+    """The most logical CPU devices `split_cpu` makes: 4 per usable core. One per core is the
+    useful split; a few more still test replica counts on a small host, while 1000 would stall
+    the first step for many minutes (each device gets its own executor and copy of every variable)."""
+    return 4 * usable_cores()
 
 
-def split_cpu(num_devices: int) -> None:
+def split_cpu(num_devices: int, flag: str = "--cpu_replicas") -> None:
     """Splits the CPU into `num_devices` logical devices so MirroredStrategy runs without GPUs.
 
     Must run before TensorFlow initialises its devices (before the first op or strategy).
@@ -49,9 +56,9 @@ def split_cpu(num_devices: int) -> None:
         return
     if num_devices > max_cpu_devices():
         raise UsageError(
-            f"--cpu_replicas={num_devices} is more than the {max_cpu_devices()} logical CPU devices this "
-            f"host of {os.cpu_count()} cores can use (4 per core); use at most one per core, "
-            f"e.g. --cpu_replicas={os.cpu_count()}"
+            f"{flag}={num_devices} is more than the {max_cpu_devices()} logical CPU devices this "
+            f"process's {usable_cores()} core(s) can use (4 per core); use at most one per core, "
+            f"e.g. {flag}={usable_cores()}"
         )
     cpu = tf.config.list_physical_devices("CPU")[0]
     wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)]
@@ -93,13 +100,19 @@ def _local_devices() -> list[str]:
 
 
 def get_strategy(
-    name: str = "auto", tf_config: str | None = None, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    name: str = "auto",
+    tf_config: str | None = None,
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    *,
+    one_replica_per_worker: bool = False,
 ) -> tf.distribute.Strategy:
     """Returns the strategy for `name` (see STRATEGIES); never None.
 
     `tf_config` defaults to the TF_CONFIG environment variable and is validated first.
     Multi-worker: a worker that cannot reach its peers within `startup_timeout` seconds fails
     with the unreachable addresses (TensorFlow's own default is to wait an hour).
+    `one_replica_per_worker`: multi_worker's replica is one device per worker (GPU:0 or CPU:0)
+    however many the worker has, which a pipeline on every worker spreads its stages over.
     """
     if name not in STRATEGIES:
         raise unknown("strategy", name, STRATEGIES)
@@ -111,7 +124,7 @@ def get_strategy(
     if name == "multi_worker":
         # Before anything lists logical devices: that starts TensorFlow's runtime, and
         # collective ops can only be configured before it starts.
-        return _multi_worker(cluster, startup_timeout)
+        return _multi_worker(cluster, startup_timeout, one_replica_per_worker)
     devices = _local_devices()
     if name == "auto":
         name = "mirrored" if len(devices) > 1 else "default"
@@ -132,7 +145,9 @@ def get_strategy(
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
-def _multi_worker(cluster: ClusterConfig | None, startup_timeout: float) -> tf.distribute.Strategy:
+def _multi_worker(
+    cluster: ClusterConfig | None, startup_timeout: float, one_replica_per_worker: bool = False
+) -> tf.distribute.Strategy:
     if cluster is None:
         raise UsageError(
             "--strategy=multi_worker needs TF_CONFIG naming the cluster and this task; "
@@ -145,13 +160,26 @@ def _multi_worker(cluster: ClusterConfig | None, startup_timeout: float) -> tf.d
         )
     cpu = tf.config.list_physical_devices("CPU")[0]
     split = tf.config.get_logical_device_configuration(cpu) or []
-    if len(split) > 1 and not tf.config.list_physical_devices("GPU"):
+    if len(split) > 1 and not tf.config.list_physical_devices("GPU") and not one_replica_per_worker:
         raise UsageError(
             "--cpu_replicas>1 with --strategy=multi_worker is not supported: "
             "MultiWorkerMirroredStrategy runs one CPU replica per worker; start more workers"
         )
     rendezvous(cluster, startup_timeout)
-    return tf.distribute.MultiWorkerMirroredStrategy()
+    if not one_replica_per_worker:
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    # MultiWorkerMirroredStrategy makes every local GPU a replica (the resolver's accelerator
+    # count); a pipeline on every worker wants one replica whose stages use the rest.
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=tf.distribute.cluster_resolver.SimpleClusterResolver(
+            resolver.cluster_spec(),
+            task_type=resolver.task_type,
+            task_id=resolver.task_id,
+            num_accelerators={"GPU": 1} if tf.config.list_physical_devices("GPU") else {},
+            rpc_layer=resolver.rpc_layer or "grpc",
+        )
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +206,12 @@ def describe(strategy: tf.distribute.Strategy) -> Topology:
     except RuntimeError:  # the default strategy has no device list: it places ops as TF does
         devices = tuple(_local_devices()[:1])
     return Topology(type(strategy).__name__, strategy.num_replicas_in_sync, workers, is_chief, devices)
+
+
+def is_distributed(variable) -> bool:
+    """Whether a (Keras) variable belongs to a strategy (mirrored, sync-on-read, ...). A model
+    made outside every scope has plain variables: a pipeline's, placed on its stage devices."""
+    return isinstance(getattr(variable, "value", variable), tf.distribute.DistributedValues)
 
 
 def per_replica_batch(global_batch_size: int, strategy: tf.distribute.Strategy) -> int:

@@ -20,10 +20,21 @@ unsplit model). `gradients_fn` (in `pipeline_step`) is the engine's `gradients=`
 schedule, per-stage backward on each stage's device, one optimizer step per global batch.
 
 Why not `keras.distribution.ModelParallel`: it does nothing on the TensorFlow backend.
-Strategies: the default strategy only (the pipeline is the device plan). MirroredStrategy and
-OneDeviceStrategy pin every variable and op to their own devices; MultiWorkerMirroredStrategy
-creates each variable as a MirroredVariable on its replica device and has no replica spanning
-several local devices, so a pipeline inside each worker is refused (see `place`).
+Strategies: the default strategy on one worker (the pipeline is the device plan; Mirrored and
+OneDevice strategies pin every variable and op to their replica devices, so they are refused).
+On several workers, MultiWorkerMirroredStrategy with one replica per worker
+(`distribute.get_strategy("multi_worker", one_replica_per_worker=True)`): each worker builds and
+places its model outside the strategy's scope, so its variables are its own on its stage
+devices, and the engine all-reduces the stage gradients across workers (docs/pipeline.md):
+
+    strategy = distribute.get_strategy("multi_worker", one_replica_per_worker=True)
+    model = build()                                        # no scope: this worker's variables
+    plan = pipeline.plan(model, pipeline.stage_devices(2)); pipeline.place(model, plan)
+    optimizer = keras.optimizers.SGD(0.1)                  # no scope either: built next to them
+    with strategy.scope():
+        model.compile(optimizer, loss, metrics)           # metrics summed over workers
+    engine = Engine(strategy, model, gradients=pipeline.gradients_fn(plan),
+                    forward=pipeline.forward_fn(plan))
 """
 
 from __future__ import annotations
@@ -74,16 +85,9 @@ class Plan:
         stages = len(self.stages)
         return (stages - 1) / (self.micro_batches + stages - 1)
 
-    def check_batch(self, per_replica_batch: int) -> int:
+    def check_batch(self, per_replica_batch: int, workers: int = 1) -> int:
         """Rows per micro-batch; refuses a per-replica batch that M does not divide."""
-        if per_replica_batch % self.micro_batches:
-            lower = per_replica_batch // self.micro_batches * self.micro_batches
-            raise UsageError(
-                f"--micro_batches={self.micro_batches} does not divide the per-replica batch "
-                f"{per_replica_batch}; use a batch that is a multiple of {self.micro_batches} "
-                f"(e.g. {lower or self.micro_batches}) or other micro-batches"
-            )
-        return per_replica_batch // self.micro_batches
+        return check_batch(self.micro_batches, per_replica_batch, workers)
 
     def describe(self) -> dict:
         """For the run card: each stage's device, layers, parameters and FLOPs, and the bubble."""
@@ -103,6 +107,32 @@ class Plan:
                 for s in self.stages
             ],
         }
+
+
+def _check_micro_batches(micro_batches) -> None:
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise UsageError(f"--micro_batches={micro_batches} must be a positive integer, e.g. 4")
+
+
+def check_batch(micro_batches: int, per_replica_batch: int, workers: int = 1) -> int:
+    """Rows per micro-batch; refuses a per-replica batch that `micro_batches` does not divide.
+    With a pipeline on each of `workers` workers the replica is the worker: its share of the
+    global batch is cut into the micro-batches."""
+    _check_micro_batches(micro_batches)
+    if per_replica_batch % micro_batches:
+        lower = per_replica_batch // micro_batches * micro_batches
+        batch = (
+            f"the per-worker batch {per_replica_batch} (global batch {per_replica_batch * workers} "
+            f"over {workers} workers)"
+            if workers > 1
+            else f"the per-replica batch {per_replica_batch}"
+        )
+        raise UsageError(
+            f"--micro_batches={micro_batches} does not divide {batch}; use a "
+            f"{'global ' if workers > 1 else ''}batch that is a multiple of {micro_batches * workers} "
+            f"(e.g. {(lower or micro_batches) * workers}) or other micro-batches"
+        )
+    return per_replica_batch // micro_batches
 
 
 def stage_devices(stages: int) -> list[str]:
@@ -233,8 +263,7 @@ def plan(
         raise UsageError(f"a pipeline needs at least 2 devices, got {devices}; train on one device instead")
     if len(set(devices)) != len(devices):
         raise UsageError(f"pipeline devices {devices} repeat a device; give each stage its own device")
-    if not isinstance(micro_batches, int) or micro_batches < 1:
-        raise UsageError(f"--micro_batches={micro_batches} must be a positive integer, e.g. 4")
+    _check_micro_batches(micro_batches)
     if balance not in BALANCES:
         raise unknown("pipeline balance", balance, BALANCES)
     functional, layers, inputs, outputs, model_inputs, model_outputs = _graph(model)
@@ -291,15 +320,16 @@ def _stages(functional, layers, cuts, devices) -> tuple[Stage, ...]:
 def _check_strategy(strategy: tf.distribute.Strategy) -> None:
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         raise UsageError(
-            "a pipeline under MultiWorkerMirroredStrategy is not supported: it makes every "
-            "variable a MirroredVariable on its replica device and has no replica spanning "
-            "several devices; run the pipeline on one worker (the default strategy)"
+            "place the pipeline outside MultiWorkerMirroredStrategy's scope: in it every variable "
+            "becomes a MirroredVariable on the replica's device; build the model, place it and "
+            "build the optimizer outside strategy.scope() (each worker's variables are its own) "
+            "and compile in it"
         )
     if strategy.num_replicas_in_sync > 1 or isinstance(strategy, tf.distribute.OneDeviceStrategy):
         raise UsageError(
             f"a pipeline cannot run under {type(strategy).__name__}: it places every variable "
             "on its own replica devices, which are the pipeline's stages; use the default "
-            "strategy (--strategy=default) with --pipeline_stages"
+            "strategy (--strategy=default) with --pipeline_stages, or several workers"
         )
 
 

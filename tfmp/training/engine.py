@@ -25,11 +25,18 @@ does what Keras' own `train_step` does, so the numbers are Keras' numbers:
 - loss scaling is `optimizer.scale_loss` then `optimizer.apply` (which unscales); with
   `precision.LossScaleOptimizer` an overflow on any replica skips the step on all replicas; a
   fixed `loss_scale_factor` needs `compile(auto_scale_loss=False)` (Keras' wrapper clears it);
-- `steps_per_execution` steps run in one `tf.function` call (a `tf.range` loop).
+- `steps_per_execution` steps run in one `tf.function` call (a `tf.range` loop);
+- worker-local variables (a pipeline on every worker: MultiWorkerMirroredStrategy with one
+  replica per worker, the model and optimizer made outside its scope so each stage's variables
+  sit on its stage's device): the replica all-reduces its gradients itself, one collective per
+  stage device, and each worker applies the sums once, outside `strategy.run`, with the same
+  optimizer code as everywhere else. Overflow skips agree because every worker applies the same
+  summed gradients; metrics are still summed over workers (compile in the strategy's scope).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import keras
@@ -37,6 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import precision
+from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 
 # Status slots, summed over replicas and steps: steps with non-finite loss or gradients, and
@@ -100,8 +108,10 @@ class Engine:
             precision.check_compiled_with(model, optimizer)
         self.optimizer = optimizer or model.optimizer
         self.xla = xla
-        with strategy.scope():
+        self.worker_local = _worker_local_variables(strategy, model, self.optimizer)
+        with contextlib.nullcontext() if self.worker_local else strategy.scope():
             self.optimizer.build(model.trainable_variables)
+        with strategy.scope():
             self._status = tf.Variable(
                 tf.zeros([_SLOTS], tf.float32),
                 trainable=False,
@@ -167,10 +177,38 @@ class Engine:
         self._track(loss, _rows(x), finite, x, y, y_pred, sample_weight)
         self._status.assign_add(tf.stack([tf.where(finite, 0.0, 1.0), tf.cast(stop_requested, tf.float32)]))
 
+    def _reduce_replica_step(self, data, stop_requested):
+        """`_train_replica_step` for worker-local variables: returns the gradients summed over
+        every replica (so over workers) instead of applying them."""
+        x, y, sample_weight, _ = _unpack(data)
+        y_pred, loss, gradients = self._gradients(x, y, sample_weight)
+        reduced = _all_reduce_by_device(tf.distribute.get_replica_context(), gradients)
+        # Summed gradients: a non-finite one on any worker is non-finite on every worker.
+        finite = tf.reduce_all(
+            [tf.reduce_all(tf.math.is_finite(g)) for g in reduced if g is not None]
+            + [tf.math.is_finite(tf.cast(loss, tf.float32))]
+        )
+        self._track(loss, _rows(x), finite, x, y, y_pred, sample_weight)
+        self._status.assign_add(tf.stack([tf.where(finite, 0.0, 1.0), tf.cast(stop_requested, tf.float32)]))
+        return {str(position): g for position, g in enumerate(reduced) if g is not None}
+
+    def _worker_local_step(self, data, stop_requested):
+        # In the cross-replica context of no strategy: the optimizer (made outside the scope)
+        # updates this worker's own variables once, with the sums every worker got alike.
+        reduced = self.strategy.run(self._reduce_replica_step, args=(data, stop_requested))
+        variables = self.model.trainable_variables
+        gradients = [None] * len(variables)
+        for position, gradient in reduced.items():
+            gradients[int(position)] = self.strategy.experimental_local_results(gradient)[0]
+        self.optimizer.apply(gradients, variables)
+
     def _train_loop(self, iterator, num_steps, stop_requested):
         # The stop request rides on a SUM-on-read variable: no extra collective per step.
         for _ in tf.range(num_steps):
-            self.strategy.run(self._train_replica_step, args=(next(iterator), stop_requested))
+            if self.worker_local:
+                self._worker_local_step(next(iterator), stop_requested)
+            else:
+                self.strategy.run(self._train_replica_step, args=(next(iterator), stop_requested))
 
     def _eval_replica_step(self, data):
         x, y, sample_weight, valid = _unpack(data)
@@ -275,6 +313,48 @@ class Engine:
             lambda *parts: np.concatenate([p.numpy() for p in parts]), *batches
         )
         return concatenated
+
+
+def _worker_local_variables(strategy, model: keras.Model, optimizer) -> bool:
+    """Whether the model's variables are each worker's own under a multi-worker strategy (a
+    pipeline on every worker); refuses the mixes the update could not make consistent."""
+    variables = model.trainable_variables
+    if strategy.num_replicas_in_sync == 1 or not variables or all(map(distribute.is_distributed, variables)):
+        return False
+    if any(map(distribute.is_distributed, variables)):
+        raise UsageError(
+            f"model {model.name!r} mixes variables made inside and outside {type(strategy).__name__}'s "
+            "scope; make all of them in it (data parallelism) or all outside (a pipeline per worker)"
+        )
+    local_replicas = len(strategy.extended.worker_devices)
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or local_replicas != 1:
+        raise UsageError(
+            f"model {model.name!r} was built outside {type(strategy).__name__}'s scope, with "
+            f"{local_replicas} local replica(s); build it in strategy.scope(), or for a pipeline on "
+            "every worker use distribute.get_strategy('multi_worker', one_replica_per_worker=True)"
+        )
+    if distribute.is_distributed(optimizer.iterations):
+        raise UsageError(
+            "the optimizer was made inside the strategy's scope but the model's variables outside "
+            "it (a pipeline per worker); make the optimizer outside the scope too"
+        )
+    return True
+
+
+def _all_reduce_by_device(context, gradients: list) -> list:
+    """`gradients` summed over every replica, one all-reduce per device the gradients are on (a
+    pipeline's stages), run on that device; None stays None."""
+    by_device = {}
+    for position, gradient in enumerate(gradients):
+        if gradient is not None:
+            by_device.setdefault(gradient.device, []).append(position)
+    reduced = list(gradients)
+    for device, positions in by_device.items():
+        with tf.device(device):
+            sums = context.all_reduce(tf.distribute.ReduceOp.SUM, [gradients[p] for p in positions])
+        for position, summed in zip(positions, sums):
+            reduced[position] = summed
+    return reduced
 
 
 def _loss_tracker(model: keras.Model) -> keras.metrics.Metric:

@@ -11,6 +11,7 @@ symbolically for the data's spec, so a shape mismatch is one UsageError, not a t
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import keras
@@ -18,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import compat
+from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 
 
@@ -240,6 +242,14 @@ def _error_line(error: Exception) -> str:
 
 def build_for_data(model: keras.Model, strategy, element_spec) -> None:
     """Builds the model, compiled loss and metrics for this data; shape mismatches are user errors."""
+    optimizer = getattr(model, "optimizer", None)
+    variables = model.trainable_variables
+    if optimizer is not None and not optimizer.built and variables:
+        # Slots beside their variables: in the strategy's scope, or with none for variables made
+        # outside it (a pipeline per worker; Keras' build below would make them in the scope).
+        distributed = distribute.is_distributed(variables[0])
+        with strategy.scope() if distributed else contextlib.nullcontext():
+            optimizer.build(variables)
     try:
         with strategy.scope():
             compat.symbolic_build(model, element_spec)

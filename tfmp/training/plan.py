@@ -19,8 +19,10 @@ import tensorflow as tf
 
 from tfmp import optim, precision, pruning
 from tfmp.distribute import strategies as distribute
+from tfmp.distribute.cluster import parse_tf_config
 from tfmp.distribute.launch import RUN_NAME_ENV
 from tfmp.errors import UsageError, unknown
+from tfmp.pipeline import plan as pipeline
 from tfmp.training.config import TrainConfig
 from tfmp.training.task import Task
 
@@ -112,6 +114,10 @@ class Plan:
     learning_rate: float
     schedule: optim.WarmupSchedule
     prune_schedule: pruning.ConstantSchedule | None
+    # Whose scope makes the model's and the optimizer's variables: `strategy`, or with a
+    # pipeline on every worker the default strategy (each worker's variables are its own, on its
+    # stages' devices; the replicas all-reduce the gradients, see training.engine).
+    model_strategy: tf.distribute.Strategy
 
 
 def make_plan(config: TrainConfig, task: Task) -> Plan:
@@ -131,10 +137,14 @@ def make_plan(config: TrainConfig, task: Task) -> Plan:
         raise unknown(task.model_kind, config.model, task.models)
     # Thread pools and logical CPU devices can only be set before TensorFlow initialises its runtime.
     distribute.set_threads(config.distribution.intra_op_threads, config.distribution.inter_op_threads)
-    strategy_name = _pipeline_strategy(config)
+    strategy_name, one_replica_per_worker = _pipeline_strategy(config)
     distribute.split_cpu(config.distribution.cpu_replicas)
     # Next the strategy: MultiWorkerMirroredStrategy must exist before any TensorFlow op runs.
-    strategy = distribute.get_strategy(strategy_name, startup_timeout=config.distribution.startup_timeout)
+    strategy = distribute.get_strategy(
+        strategy_name,
+        startup_timeout=config.distribution.startup_timeout,
+        one_replica_per_worker=one_replica_per_worker,
+    )
     policy_choice = precision.resolve(config.precision.policy)
     policy = policy_choice.policy
     loss_scale = precision.parse_loss_scale(config.precision.loss_scale)
@@ -209,34 +219,41 @@ def make_plan(config: TrainConfig, task: Task) -> Plan:
         learning_rate,
         schedule,
         prune_schedule,
+        tf.distribute.get_strategy() if one_replica_per_worker else strategy,
     )
 
 
-def _pipeline_strategy(config: TrainConfig) -> str:
-    """The strategy name to use: a pipeline's stages are the devices, so it runs on one worker
-    under the default strategy (`auto` resolves to it); replicas on the same devices are refused."""
-    if config.pipeline.pipeline_stages <= 1:
-        if config.pipeline.pipeline_stages < 0:
-            raise UsageError(
-                f"--pipeline_stages={config.pipeline.pipeline_stages} must be 0 (no pipeline) or >= 2"
-            )
-        return config.distribution.strategy
-    if config.distribution.strategy not in ("auto", "default"):
+def _pipeline_strategy(config: TrainConfig) -> tuple[str, bool]:
+    """(strategy name, one replica per worker) for the run. A pipeline's stages are the local
+    devices, so replicas cannot also use them: one worker runs it under the default strategy,
+    several (TF_CONFIG, `tfmp.launch`) under MultiWorkerMirroredStrategy with one replica per
+    worker whose step runs the worker's pipeline (two-dimensional parallelism)."""
+    stages = config.pipeline.pipeline_stages
+    strategy = config.distribution.strategy
+    if stages <= 1:
+        if stages < 0:
+            raise UsageError(f"--pipeline_stages={stages} must be 0 (no pipeline) or >= 2")
+        return strategy, False
+    if strategy not in ("auto", "default", "multi_worker"):
         raise UsageError(
-            f"--pipeline_stages={config.pipeline.pipeline_stages} with --strategy={config.distribution.strategy}: the "
-            "pipeline's stages are the devices, so replicas cannot also use them; use "
-            "--strategy=default (or auto)"
+            f"--pipeline_stages={stages} with --strategy={strategy}: the pipeline's stages are the "
+            "devices, so replicas cannot also use them; use --strategy=default (or auto) on one "
+            "worker, or start several workers with tfmp.launch"
         )
-    if (
-        config.distribution.cpu_replicas
-        and config.distribution.cpu_replicas < config.pipeline.pipeline_stages
-    ):
+    if config.distribution.cpu_replicas > 1:
         raise UsageError(
-            f"--pipeline_stages={config.pipeline.pipeline_stages} needs {config.pipeline.pipeline_stages} devices, "
-            f"--cpu_replicas={config.distribution.cpu_replicas} makes fewer"
+            f"--cpu_replicas={config.distribution.cpu_replicas} with --pipeline_stages={stages}: the "
+            "stages take the logical CPUs (one each), so there are none left for replicas; leave "
+            "--cpu_replicas out (more replicas: more workers with tfmp.launch)"
         )
+    cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+    multi_worker = strategy == "multi_worker" or (
+        strategy == "auto" and cluster is not None and cluster.num_workers > 1
+    )
+    workers = cluster.num_workers if multi_worker and cluster is not None else 1
+    if config.data.global_batch_size % workers == 0:  # else per_replica_batch names the fix
+        # Before the strategy: a refused run must not wait for its peers first.
+        pipeline.check_batch(config.pipeline.micro_batches, config.data.global_batch_size // workers, workers)
     if not tf.config.list_physical_devices("GPU"):
-        distribute.split_cpu(
-            max(config.distribution.cpu_replicas, config.pipeline.pipeline_stages)
-        )  # a logical CPU per stage
-    return "default"
+        distribute.split_cpu(stages, "--pipeline_stages")  # a logical CPU per stage
+    return ("multi_worker" if multi_worker else "default"), multi_worker

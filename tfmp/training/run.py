@@ -97,7 +97,11 @@ def train_and_evaluate(
         data_for_epoch, evaluate, shard_policies = task.inputs(config, plan, engine, start_step)
         card = _run_card(config, plan, model, engine, start_step, shard_policies, model_dir, task)
         reporter.run_card(
-            {**card, **(pruner.describe() if pruner else {}), **(_pipeline_card(stages) if stages else {})}
+            {
+                **card,
+                **(pruner.describe() if pruner else {}),
+                **(_pipeline_card(stages, plan.topology.workers) if stages else {}),
+            }
         )
         settings = LoopSettings(
             total_steps=plan.total_steps,
@@ -147,9 +151,11 @@ def _build(config: TrainConfig, plan: Plan, task: Task) -> tuple:
             list(config.pipeline.pipeline_boundaries) or None,
             config.pipeline.pipeline_balance,
         )
-        with plan.strategy.scope():
+        with plan.model_strategy.scope():
             pipeline.place(model, stages)  # before compile: optimizer slots follow their variables
-        stages.check_batch(plan.per_replica_batch)
+        stages.check_batch(plan.per_replica_batch, plan.topology.workers)
+    with plan.model_strategy.scope():  # its slots next to their variables, before compile's build
+        optimizer.build(model.trainable_variables)
     task.compile(model, optimizer, plan)
     engine = Engine(
         plan.strategy,
@@ -161,7 +167,7 @@ def _build(config: TrainConfig, plan: Plan, task: Task) -> tuple:
     )
     pruner = None
     if plan.prune_schedule is not None:
-        with plan.strategy.scope():  # masks become mirrored, like the kernels
+        with plan.model_strategy.scope():  # masks become the same kind of variable as the kernels
             pruner = pruning.Pruner(model, plan.prune_schedule)
     return model, engine, stages, pruner
 
@@ -203,6 +209,12 @@ RESUMABLE_CHANGES = frozenset(
         "data_dir",
         "cache",
         "fused_norm",  # the same variables either way: only the kernel that computes them
+        # The checkpoint is the unsplit model's variables wherever they were placed, so a run
+        # may change its pipeline layout (2 workers x 2 stages -> 1 worker, or no pipeline).
+        "pipeline_stages",
+        "micro_batches",
+        "pipeline_boundaries",
+        "pipeline_balance",
         "score_threshold",  # detection's evaluation only
         "max_detections",
     }
@@ -252,8 +264,8 @@ def check_same_run(
 
 
 def build_optimizer(config: TrainConfig, plan: Plan) -> keras.optimizers.Optimizer:
-    """The run's optimizer, with the loss scaling its policy needs, in the run's strategy."""
-    with plan.strategy.scope():
+    """The run's optimizer, with the loss scaling its policy needs, in the model's strategy."""
+    with plan.model_strategy.scope():
         # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
         return precision.wrap_optimizer(
             optim.build(config.optimization.optimizer, plan.schedule, config.optimization.weight_decay),
@@ -266,7 +278,7 @@ def build_model(config: TrainConfig, plan: Plan, task: Task) -> keras.Model:
     """The task's model, with the layers `--float32_layers` names rebuilt in float32."""
     model = task.build_model(config, plan)
     if config.precision.float32_layers:
-        with plan.strategy.scope():  # the copy's variables belong to the run's strategy too
+        with plan.model_strategy.scope():  # the copy's variables belong where the model's do
             model = precision.float32_layers(model, config.precision.float32_layers)
     if config.precision.fused_norm:  # after the copy above: copies come back unfused
         precision.fuse_normalization(model)
@@ -325,11 +337,12 @@ def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir
     }
 
 
-def _pipeline_card(stages) -> dict:
+def _pipeline_card(stages, workers: int) -> dict:
     described = stages.describe()
     rows = {
         "pipeline": f"{described['stages']} stages x {described['micro_batches']} micro-batches (GPipe), "
         f"balanced by {described['balance']}, bubble (K-1)/(M+K-1) = {described['bubble']:.3f}"
+        + (f"; on each of {workers} workers, gradients all-reduced across them (2-D)" if workers > 1 else "")
     }
     for index, stage in enumerate(described["per_stage"]):
         rows[f"stage {index}"] = (

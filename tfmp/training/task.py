@@ -4,7 +4,7 @@ A task is a model + a loss + data. `tfmp.training.run.train_and_evaluate(config,
 the run, asks the task for its pieces in this order and runs them in the one engine and loop:
 
     info = task.describe(config)                      # dataset sizes, classes, image size
-    model = task.build_model(config, plan)            # inside plan.strategy.scope()
+    model = task.build_model(config, plan)            # inside plan.model_strategy.scope()
     task.compile(model, optimizer, plan)              # the compiled loss and metrics the engine runs
     dataset, shard_policy = task.train_dataset(config, plan)   # global batches (the precision doctor)
     data_for_epoch, evaluate, shard_policies = task.inputs(config, plan, engine, start_step)
@@ -43,7 +43,8 @@ class Task(Protocol):
         """The dataset description; needs `train_examples` and `eval_examples`."""
 
     def build_model(self, config: TrainConfig, plan: Plan) -> keras.Model:
-        """The model, built in `plan.strategy.scope()` with `plan.policy`."""
+        """The model, built in `plan.model_strategy.scope()` (the run's strategy but for a pipeline
+        on every worker) with `plan.policy`."""
 
     def compile(self, model: keras.Model, optimizer: keras.optimizers.Optimizer, plan: Plan) -> keras.Model:
         """Compiles the loss and metrics the engine computes per replica."""
