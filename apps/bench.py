@@ -19,7 +19,10 @@ into --output_dir. Batch sizes are per 1-replica cell: N replicas or workers get
 detection shapes at --image_size, a multiple of 32; with --xla=on Faster R-CNN compiles its
 backbone, FPN, RPN and box head, not ROIAlign and NMS).
 --pipeline_micro_batches=1,2,4,8 adds one pipeline cell (`tfmp.bench.pipeline`: K=2 stages on
-two devices against the unsplit --study_model); --threads_study adds the compute-parallelism
+two devices against the unsplit --study_model); --pipeline_2d_workers=2 adds one 2-D cell
+(`tfmp.bench.pipeline_2d`: 2 launched workers x 2 stages beside 2-worker data parallelism and
+the 1-worker pipeline, timed in turn in the same processes; --study_batch_size is the global
+batch); --threads_study adds the compute-parallelism
 cells (`tfmp.bench.threads`: intra-op, inter-op and tf.data threads 2 vs 1, steps per host
 call 10 vs 1, Python threads vs the GIL).
 
@@ -93,6 +96,12 @@ flags.DEFINE_bool("cache", False, "Cache decoded examples (real-data cells).")
 flags.DEFINE_string("output_dir", "bench", "Where bench.json and bench.png go.")
 flags.DEFINE_list(
     "pipeline_micro_batches", [], "M values of one K=2 pipeline cell vs the unsplit model (empty: none)."
+)
+flags.DEFINE_integer(
+    "pipeline_2d_workers", 0, "N > 1: one N workers x 2 stages cell vs N-worker data parallelism (0: none)."
+)
+flags.DEFINE_integer(
+    "pipeline_2d_micro_batches", 4, "--pipeline_2d_workers: micro-batches per worker's step."
 )
 flags.DEFINE_bool("threads_study", False, "Also measure TF/tf.data threads, steps per call, Python threads.")
 flags.DEFINE_integer("threads_rounds", 2, "--threads_study: runs of the thread cells in turn (best of).")
@@ -211,6 +220,8 @@ def _config() -> bench.BenchConfig:
         cache=FLAGS.cache,
         output_dir=FLAGS.output_dir,
         pipeline_micro_batches=_integers("pipeline_micro_batches"),
+        pipeline_2d_workers=FLAGS.pipeline_2d_workers,
+        pipeline_2d_micro_batches=FLAGS.pipeline_2d_micro_batches,
         threads_study=FLAGS.threads_study,
         threads_rounds=FLAGS.threads_rounds,
         study_model=FLAGS.study_model,

@@ -39,6 +39,7 @@ def _config(**changes):
         data="builtin",
         image_size=64,
         pipeline_micro_batches=[1, 2],
+        pipeline_2d_workers=2,
         threads_study=True,
     )
     values.update(changes)
@@ -61,6 +62,8 @@ def test_cells_plan_detector_pipeline_and_thread_cells():
     pipeline = [c for c in planned if c["kind"] == "pipeline"]
     assert len(pipeline) == 1 and pipeline[0]["micro_batches"] == [1, 2]
     assert pipeline[0]["model"] == "seed_cnn" and pipeline[0]["global_batch_size"] == 64
+    (two_d,) = [c for c in planned if c["kind"] == "pipeline_2d"]
+    assert (two_d["workers"], two_d["micro_batches"], two_d["global_batch_size"]) == (2, 4, 64)
     threads = [c for c in planned if c.get("study") == "threads" and c["kind"] == "engine"]
     one_round = ["baseline"] + [knob for knob, _, _ in bench_threads.VARIANTS]
     assert [c["knob"] for c in threads] == one_round * 2  # two rounds in turn by default
@@ -78,6 +81,11 @@ def test_cells_plan_detector_pipeline_and_thread_cells():
     [
         (dict(pipeline_micro_batches=[3]), "--pipeline_micro_batches value 3 must be >= 1 and divide"),
         (dict(pipeline_micro_batches=[0]), "--pipeline_micro_batches value 0"),
+        (dict(pipeline_2d_workers=1), "--pipeline_2d_workers=1 must be 0"),
+        (
+            dict(pipeline_2d_micro_batches=3),
+            "--pipeline_2d_micro_batches=3 must be >= 1 and divide the per-worker batch",
+        ),
         (dict(image_size=100), "--image_size=100 for a detector must be a multiple of 32"),
         (dict(data="tfds:voc/2007"), "is not for detectors here"),
         (dict(study_model="retinanet_tiny"), "unknown study model"),
@@ -206,6 +214,7 @@ def tiny_cells():
         global_batch_size=4,
         data="synthetic",
         pipeline_micro_batches=[1, 2],
+        pipeline_2d_micro_batches=2,
         study_model="lenet",
         study_batch_size=8,
         threads_rounds=1,
@@ -220,6 +229,7 @@ def tiny_cells():
     return {
         "detector": next(c for c in planned if c.get("model") == "retinanet_tiny" and c["kind"] == "engine"),
         "pipeline": next(c for c in planned if c["kind"] == "pipeline"),
+        "pipeline_2d": next(c for c in planned if c["kind"] == "pipeline_2d"),
         # The thread-study cell as a Keras-fit cell: one process checks both paths.
         "threads": dict(intra, kind="fit", steps_per_execution=2),
         "python": dict(next(c for c in planned if c["kind"] == "python_threads"), unit_seconds=0.05),
@@ -252,6 +262,25 @@ def test_pipeline_cell_rows_in_ratios_and_table(tiny_cells):
         assert math.isfinite(row["value"]) and math.isfinite(row["bubble_measured"])
     assert len(cell["result"]["rows"][1]["devices"]) == 2  # parameters/activations per device
     assert "pipeline: lenet" in bench_report.table([cell], bench_report.derive([cell]))
+
+
+@pytest.mark.slow  # a launched group of 2 workers
+def test_2d_cell_reports_three_layouts_side_by_side(tiny_cells):
+    cell = dict(tiny_cells["pipeline_2d"], steps=1)
+    cell["result"] = bench_runner.measure(cell, timeout=600)
+    rows = bench_report.derive([cell])["pipeline_2d"]
+    assert [(r["layout"], r["workers"], r["stages"]) for r in rows] == [
+        ("2-D", 2, 2),
+        ("data-parallel", 2, 1),
+        ("1-worker pipeline", 1, 2),
+    ]
+    assert rows[1]["value"] == 1.0 and all(r["images_per_second"] > 0 for r in rows)
+    assert rows[0]["bubble_theory"] == pytest.approx(1 / 3) and math.isfinite(rows[0]["bubble_measured"])
+    # Each stage holds its part of the parameters; data parallelism holds all of them.
+    assert len(rows[0]["parameters_per_device"]) == 2
+    assert sum(rows[0]["parameters_per_device"]) == rows[1]["parameters_per_device"][0]
+    text = bench_report.table([cell], bench_report.derive([cell]))
+    assert "two-dimensional parallelism" in text and "1-worker pipeline" in text
 
 
 @pytest.mark.slow

@@ -17,7 +17,9 @@ built-in detection `shapes`, "synthetic" one such batch repeated from memory). W
 "inter_op_threads" (set before TensorFlow starts) and "data_threads" (tf.data private pool)
 change the thread settings.
 More kinds: `pipeline` (`tfmp.bench.pipeline.measure` rows, "model", "image_size",
-"global_batch_size", "micro_batches", "steps", "repeats", "precision") and `python_threads`
+"global_batch_size", "micro_batches", "steps", "repeats", "precision"), `pipeline_2d` (the
+same keys and "workers", run in every worker of a launched group: `tfmp.bench.pipeline_2d`)
+and `python_threads`
 (`tfmp.bench.python_threads.measure`, "unit_seconds"), `layer_profile` (`tfmp.bench.layer_profile`:
 per-layer milliseconds in "policies" and the Engine step, "layer_repeats" and the engine keys)
 `bn_study` (`tfmp.bench.bn_study`: one BatchNormalization's forward + backward, Keras' layer
@@ -43,7 +45,15 @@ import keras
 import tensorflow as tf
 
 from tfmp import models, precision
-from tfmp.bench import bn_study, input_cost, keras_models, layer_profile, python_threads, workloads
+from tfmp.bench import (
+    bn_study,
+    input_cost,
+    keras_models,
+    layer_profile,
+    pipeline_2d,
+    python_threads,
+    workloads,
+)
 from tfmp.bench import peak as bench_peak
 from tfmp.bench import pipeline as bench_pipeline
 from tfmp.bench.matrix import RESULT_PREFIX
@@ -198,6 +208,18 @@ def measure(cell: dict) -> dict:
         return python_threads.measure(cell["unit_seconds"])
     if cell["kind"] == "input_cost":
         return input_cost.measure(cell)
+    if cell["kind"] == "pipeline_2d":  # in every launched worker; it splits the CPU itself
+        return {
+            "rows": pipeline_2d.measure(
+                cell["model"],
+                image_size=cell["image_size"],
+                per_worker_batch=cell["global_batch_size"] // cell["workers"],
+                micro_batches=cell["micro_batches"],
+                steps=cell["steps"],
+                repeats=cell["repeats"],
+                policy=precision.resolve(cell["precision"]).policy,
+            )
+        }
     if cell["kind"] == "bn_study":
         return bn_study.measure(cell["precision"], cell["shape"], cell["rounds"], cell.get("groups", 0))
     # Before anything starts TensorFlow's runtime: it fixes its thread pools then.

@@ -11,20 +11,16 @@ A detector in `models` (retinanet_tiny, faster_rcnn_tiny, ...) trains on the bui
 `shapes` data at `image_size` (a multiple of 32); it gets no Keras-fit reference (its losses
 are tfmp's), only the synthetic-input one; with XLA on, Faster R-CNN compiles its
 static-shaped parts (backbone, FPN, RPN and box head).
-Two optional studies on `study_model` (a classifier) at `study_image_size` / `study_batch_size`:
-`pipeline_micro_batches` adds one `pipeline` cell (`tfmp.bench.pipeline`: K=2 stages on two
-devices for each M, against the unsplit model); `threads_study` adds the thread cells of
-`tfmp.bench.threads` (intra-op, inter-op and tf.data threads, steps per host call, Python
-threads vs the GIL). `layer_profile` (a list of model names) plans the cells of a run of its own
-(`runner.run_layer_profile`): each model's layers timed in float32 and mixed_bfloat16 at
-`image_size` and `global_batch_size` against the Engine's step (`tfmp.bench.layer_profile`).
+The optional studies (`pipeline_micro_batches`, `pipeline_2d_workers`, `threads_study`,
+`bn_study`) are planned by `tfmp.bench.studies`. `layer_profile` (a list of model names) plans
+the cells of a run of its own (`runner.run_layer_profile`): each model's layers timed in
+float32 and mixed_bfloat16 at `image_size` and `global_batch_size` against the Engine's step
+(`tfmp.bench.layer_profile`).
 
 `fused_norm` ([True], the default as in the apps, [False] or both) is a dimension of the train
 cells (true: the model's BatchNormalization and GroupNormalization fused before compile,
-`tfmp.bench.workloads`). `bn_study` adds a `bn_study` cell per BN_STUDY_PRECISIONS
-(`tfmp.bench.bn_study`; `bn_study_groups` > 0: GroupNormalization). `mode="memory"`
-plans no matrix: `tfmp.bench.memory` searches each setting's largest batch under
-`memory_budget_mb` (`runner.run_memory_search`).
+`tfmp.bench.workloads`). `mode="memory"` plans no matrix: `tfmp.bench.memory` searches each
+setting's largest batch under `memory_budget_mb` (`runner.run_memory_search`).
 
 This module runs in the parent process, which never imports TensorFlow (`tfmp.bench.runner`
 says why): what only TensorFlow knows (model names, what "auto" resolves to here) comes in as
@@ -37,7 +33,7 @@ import dataclasses
 import math
 
 from tfmp import run_dir
-from tfmp.bench import threads as bench_threads
+from tfmp.bench import studies
 from tfmp.errors import UsageError, unknown
 
 RESULT_PREFIX = "BENCH_RESULT "  # a cell process prints its result as one line: PREFIX + JSON
@@ -47,7 +43,6 @@ DATA_KINDS = ("synthetic", "builtin")
 LAYER_PROFILE_POLICIES = ("float32", "mixed_bfloat16")
 INPUT_COST_BATCHES = 10  # timed batches per pipeline and round of an input_cost cell
 # The BatchNormalization study's policies: float32, and both half types as the GPU guide has them.
-BN_STUDY_PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 
 
 @dataclasses.dataclass
@@ -73,6 +68,8 @@ class BenchConfig:
     output_dir: str = "bench"
     cell_timeout: float = 1800
     pipeline_micro_batches: list[int] = dataclasses.field(default_factory=list)  # [] = no pipeline cell
+    pipeline_2d_workers: int = 0  # N > 1: one N workers x 2 stages cell (tfmp.bench.pipeline_2d)
+    pipeline_2d_micro_batches: int = 4
     threads_study: bool = False
     threads_rounds: int = 2  # the thread cells run this many times in turn; each keeps its best
     study_model: str = "seed_cnn"  # the classifier of the pipeline and thread studies
@@ -156,12 +153,7 @@ def check(config: BenchConfig) -> None:
     ):
         if getattr(config, flag) < 1:
             raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")
-    for micro in config.pipeline_micro_batches:
-        if micro < 1 or config.study_batch_size % micro:
-            raise UsageError(
-                f"--pipeline_micro_batches value {micro} must be >= 1 and divide "
-                f"--study_batch_size={config.study_batch_size}"
-            )
+    studies.check(config)
     if not config.fused_norm:
         raise UsageError("--fused_norm needs at least one value: false, true or false,true")
     if len(config.bn_study_shape) != 4 or min(config.bn_study_shape) < 1:
@@ -192,58 +184,12 @@ def check_names(config: BenchConfig, environment: Environment) -> None:
             raise UsageError(
                 f"--image_size={config.image_size} for a detector must be a multiple of 32, e.g. 128"
             )
-    studies = config.threads_study or config.pipeline_micro_batches
-    if studies and config.study_model not in environment.classifiers:
+    planned = config.threads_study or config.pipeline_micro_batches or config.pipeline_2d_workers
+    if planned and config.study_model not in environment.classifiers:
         raise unknown("study model (a classifier)", config.study_model, environment.classifiers)
     for name in config.precisions:
         if name not in environment.policies:
             raise unknown("precision", name, environment.policies)
-
-
-def study_cells(config: BenchConfig) -> list[dict]:
-    """The pipeline cell and the thread-study cells the config asks for."""
-    result = []
-    if config.pipeline_micro_batches:
-        result.append(
-            {
-                "kind": "pipeline",
-                "model": config.study_model,
-                "image_size": config.study_image_size,
-                "global_batch_size": config.study_batch_size,
-                "micro_batches": list(config.pipeline_micro_batches),
-                "steps": config.steps_per_execution,
-                "repeats": config.repeats,
-                "precision": config.precisions[0],
-            }
-        )
-    if config.threads_study:
-        timing = {
-            "warmup_executions": config.warmup_executions,
-            "executions": config.executions,
-            "min_repeat_seconds": config.min_repeat_seconds,
-            "repeats": config.repeats,
-        }
-        result += bench_threads.cells(
-            config.study_model,
-            config.study_image_size,
-            config.study_batch_size,
-            timing,
-            config.threads_rounds,
-        )
-        # A unit of Python work as long as a timed repeat of the engine cells.
-        result.append(bench_threads.python_cell(config.min_repeat_seconds))
-    if config.bn_study:
-        result += [
-            {
-                "kind": "bn_study",
-                "precision": policy,
-                "shape": list(config.bn_study_shape),
-                "rounds": config.bn_study_rounds,
-                **({"groups": config.bn_study_groups} if config.bn_study_groups else {}),
-            }
-            for policy in BN_STUDY_PRECISIONS
-        ]
-    return result
 
 
 def layer_profile_cells(config: BenchConfig) -> list[dict]:
@@ -313,7 +259,7 @@ def cells(config: BenchConfig, environment: Environment) -> list[dict]:
     for model in config.models:
         for group in setting_groups(config, environment, model):
             result += _group_cells(config, environment, dict(shared_settings(config), **group))
-    return result + input_cost_cells(config, environment) + study_cells(config)
+    return result + input_cost_cells(config, environment) + studies.cells(config)
 
 
 def _group_cells(config: BenchConfig, environment: Environment, common: dict) -> list[dict]:
@@ -364,15 +310,10 @@ def input_cost_cells(config: BenchConfig, environment: Environment) -> list[dict
 
 
 def describe_cell(cell: dict) -> str:
+    if cell["kind"] in studies.KINDS or cell.get("study") == "threads":
+        return studies.describe(cell)
     if cell["kind"] == "peak":
         return f"matmul peak {cell['precision']} (sizes {'/'.join(map(str, cell['sizes']))})"
-    if cell["kind"] == "pipeline":
-        return (
-            f"pipeline {cell['model']} K=2 M={','.join(map(str, cell['micro_batches']))} vs unsplit, "
-            f"batch {cell['global_batch_size']}"
-        )
-    if cell["kind"] == "python_threads":
-        return "Python threads vs processes (GIL), TensorFlow on 2 Python threads"
     if cell["kind"] == "input_cost":
         return (
             f"input cost per image, one thread: shapes drawn vs JPEG decoded, {cell['image_size']}px, "
@@ -383,16 +324,6 @@ def describe_cell(cell: dict) -> str:
             f"layer profile {cell['model']} {' vs '.join(cell['policies'])}, {cell['image_size']}px, "
             f"batch {cell['global_batch_size']}"
         )
-    if cell["kind"] == "bn_study":
-        return (
-            f"{_norm_layer(cell)} alone {cell['precision']}: Keras' layer vs fused, fwd+bwd on "
-            f"{'x'.join(map(str, cell['shape']))}, {cell['rounds']} rounds in turn"
-        )
-    if cell.get("study") == "threads":
-        return (
-            f"threads round {cell['round']} {cell['knob']}: {cell['model']} intra {cell['intra_op_threads']} inter "
-            f"{cell['inter_op_threads']} data {cell['data_threads']} steps/call {cell['steps_per_execution']}"
-        )
     devices = f"{cell['workers']} worker(s)" if cell["workers"] else f"{cell['replicas']} replica(s)"
     kind = {"fit": " [keras fit]", "engine": ""}[cell["kind"]]
     data = " [synthetic input]" if cell.get("reference") == "input" else ""
@@ -402,7 +333,3 @@ def describe_cell(cell: dict) -> str:
         f"{cell['model']} {cell['precision']}{tf32} {devices} xla={'on' if cell['xla'] else 'off'} "
         f"batch {cell['global_batch_size']}{kind}{data}{fused}"
     )
-
-
-def _norm_layer(cell: dict) -> str:
-    return f"GroupNormalization({cell['groups']})" if cell.get("groups") else "BatchNormalization"

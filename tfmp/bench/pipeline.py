@@ -64,7 +64,7 @@ def _build(model_name, image_size, policy, devices=None, micro_batches=1):
     return engine, plan
 
 
-def _round_robin(runs, steps: int, repeats: int) -> list[float]:
+def round_robin(runs, steps: int, repeats: int) -> list[float]:
     """Best seconds per step of each run; timed in turns, so load that drifts (other jobs on the
     machine) hits every run alike instead of whichever happened to run at a bad moment."""
     for run in runs:
@@ -78,7 +78,7 @@ def _round_robin(runs, steps: int, repeats: int) -> list[float]:
     return [seconds / steps for seconds in best]
 
 
-def _stage_run(stage, rows: int, micro_batches: int):
+def stage_run(stage, rows: int, micro_batches: int):
     """`run(count)`: `count` steps of stage `stage` alone, forward + backward of M micro-batches."""
     spec = stage.model.inputs[0]
     with tf.device(stage.device):
@@ -102,7 +102,7 @@ def _stage_run(stage, rows: int, micro_batches: int):
     return lambda count: run(tf.constant(count)).numpy()
 
 
-def _memory(model, plan, rows):
+def device_memory(model, plan, rows):
     """Per device: (parameters, parameter bytes with SGD momentum, activation bytes)."""
     groups = [stage.layers for stage in plan.stages] if plan else [[layer.name for layer in model.layers]]
     result = []
@@ -149,9 +149,9 @@ def measure(
             plan.check_batch(global_batch)
         iterator = iter(dataset)
         runs.append(lambda count, engine=engine, iterator=iterator: engine.train(iterator, count))
-        runs.extend(_stage_run(stage, global_batch, micro) for stage in (plan.stages if plan else ()))
+        runs.extend(stage_run(stage, global_batch, micro) for stage in (plan.stages if plan else ()))
         setups.append((engine, plan, micro))
-    seconds = iter(_round_robin(runs, steps, repeats))
+    seconds = iter(round_robin(runs, steps, repeats))
     rows = []
     for engine, plan, micro in setups:
         step = next(seconds)
@@ -171,7 +171,7 @@ def _row(engine, plan, micro, step, busy, global_batch, policy, devices) -> dict
         "micro_batches": micro,
         "images_per_second": global_batch / step,
         "step_seconds": step,
-        "devices": _memory(engine.model, plan, global_batch),
+        "devices": device_memory(engine.model, plan, global_batch),
     }
     if plan is None:
         row["devices"][0]["device"] = devices[0]

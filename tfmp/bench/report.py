@@ -9,7 +9,8 @@ vs the 1-replica (or 1-worker) cell, tfmp engine vs plain Keras fit, real input 
 tensors, achieved model FLOP/s vs the matmul peak of the same precision, mixed vs float32
 peak memory (the allocator's live peak, and the process's resident memory above its base). The optional studies
 add their own rows: "pipeline" (each K=2, M row of the pipeline cell: throughput relative to
-the unsplit model, bubble measured and in theory) and "threads" (`tfmp.bench.threads.rows`).
+the unsplit model, bubble measured and in theory), "pipeline_2d" (each layout of the 2-D cell
+relative to data parallelism on the same workers) and "threads" (`tfmp.bench.threads.rows`).
 `layer_profile_table(cell)` prints a `layer_profile` cell (`tfmp.bench.layer_profile`): per
 layer class ms in each policy, speedup and share of the step, then the totals, the casts and
 the most expensive layer calls. The memory ratios (mixed / float32 live peak and host memory)
@@ -107,6 +108,7 @@ def derive(cells: list[dict]) -> dict:
     ratios["fused_vs_keras_norm"] = memory_report.fused_vs_keras_norm(main, _key)
     ratios["fused_vs_keras_bn"] = memory_report.fused_vs_keras_bn(cells)
     ratios["pipeline"] = _pipeline_rows(cells)
+    ratios["pipeline_2d"] = _pipeline_2d_rows(cells)
     ratios["input_cost"] = _input_cost_rows(cells)
     ratios["threads"] = bench_threads.rows(cells)
     return ratios
@@ -129,6 +131,27 @@ def _pipeline_rows(cells: list[dict]) -> list[dict]:
                     }
                 )
     return result
+
+
+def _pipeline_2d_rows(cells: list[dict]) -> list[dict]:
+    """One row per layout of a measured pipeline_2d cell, relative to data parallelism."""
+    return [
+        {
+            "model": cell["model"],
+            "layout": row["layout"],
+            "workers": row["workers"],
+            "stages": row["stages"],
+            "micro_batches": row["micro_batches"],
+            "images_per_second": row["images_per_second"],
+            "value": row["relative"],
+            "bubble_theory": row.get("bubble_theory"),
+            "bubble_measured": row.get("bubble_measured"),
+            "parameters_per_device": [device["parameters"] for device in row["devices"]],
+        }
+        for cell in cells
+        if cell["kind"] == "pipeline_2d" and "result" in cell
+        for row in cell["result"]["rows"]
+    ]
 
 
 def _input_cost_rows(cells: list[dict]) -> list[dict]:
@@ -233,6 +256,9 @@ def table(cells: list[dict], ratios: dict) -> str:
                 f"{cell['global_batch_size']}, K=2 stages vs the unsplit model (rel)",
                 pipeline_table(cell["result"]["rows"]),
             ]
+    if ratios.get("pipeline_2d"):
+        lines += ["", "two-dimensional parallelism (same worker processes, timed in turn):"]
+        lines += [pipeline_2d_table(ratios["pipeline_2d"])]
     if ratios.get("threads"):
         lines += [
             "",
@@ -256,6 +282,23 @@ def pipeline_table(rows: list[dict]) -> str:
         lines.append(
             f"{row['stages']:>2} {row['micro_batches'] or '-':>2} {row['images_per_second']:8.1f} "
             f"{row['relative']:5.2f} {theory:>6} {measured:>6}  {devices}"
+        )
+    return "\n".join(lines)
+
+
+def pipeline_2d_table(rows: list[dict]) -> str:
+    """The `pipeline_2d` ratio rows as text: layout, img/s, relative to data parallelism, the
+    bubble in theory and measured, each device's parameters."""
+    lines = [
+        f"{'layout':<18} {'W':>2} {'K':>2} {'M':>2} {'img/s':>8} {'rel':>5} {'bubble':>6} {'meas.':>6}  parameters"
+    ]
+    for row in rows:
+        theory = "-" if row["bubble_theory"] is None else f"{row['bubble_theory']:.2f}"
+        measured = "-" if row["bubble_measured"] is None else f"{row['bubble_measured']:.2f}"
+        lines.append(
+            f"{row['layout']:<18} {row['workers']:>2} {row['stages']:>2} {row['micro_batches'] or '-':>2} "
+            f"{row['images_per_second']:8.1f} {row['value']:5.2f} {theory:>6} {measured:>6}  "
+            + " / ".join(f"{count:,}" for count in row["parameters_per_device"])
         )
     return "\n".join(lines)
 

@@ -142,6 +142,18 @@ RATIOS = {
         "bubble_theory": "number",
         "bubble_measured": "number",
     },
+    "pipeline_2d": {
+        "model": "string",
+        "layout": "string",  # "2-D", "data-parallel" or "1-worker pipeline"
+        "workers": "integer",
+        "stages": "integer",
+        "micro_batches": "integer?",
+        "images_per_second": "number",
+        "value": "number",  # images/s / the data-parallel row's
+        "bubble_theory": "number?",
+        "bubble_measured": "number?",
+        "parameters_per_device": "list",
+    },
     "input_cost": {
         "image_size": "integer",
         "pipeline": "string",
