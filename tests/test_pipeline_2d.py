@@ -5,7 +5,7 @@ tests/mwms_worker.py): the 2 x 2 run against the unsplit model trained data-para
 2 workers and against the 1-worker pipeline (here, in-process on conftest's 2 logical CPUs),
 every precision with XLA off and on, placement, a float16 overflow on one worker, pruning.
 The app-level test launches apps.mnist 2 x 2, kills a worker, and resumes the run on 1 worker
-(a 1-D pipeline) and then unsplit.
+(a 1-D pipeline), then unsplit, then 2 x 2 again.
 """
 
 import json
@@ -142,6 +142,10 @@ def _summaries(output):
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"\[worker (\d)\] tfmp summary: (.*)", output)}
 
 
+def _weights_digest(summary):
+    return re.search(r"weights ([0-9a-f]{12})", summary).group(1)
+
+
 def _wait_for_log_past(process, metrics, step, timeout=300):
     deadline = time.time() + timeout
     while time.time() < deadline and process.poll() is None:
@@ -158,7 +162,7 @@ def _workers_of(process):
         return [int(pid) for pid in children.read().split()]
 
 
-def test_launched_2x2_mnist_survives_a_killed_worker_and_resumes_on_1_worker_then_unsplit(tmp_path):
+def test_launched_2x2_mnist_survives_a_killed_worker_resumes_on_1_worker_unsplit_and_back(tmp_path):
     run = tmp_path / "run"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -174,9 +178,6 @@ def test_launched_2x2_mnist_survives_a_killed_worker_and_resumes_on_1_worker_the
     assert process.returncode == 0, output[-4000:]
     assert "[launch] worker 1 exited with -9" in output and "[launch] restart 1/1" in output
     summaries = _summaries(output)
-    assert re.search(r"weights (\w+)", summaries[0]).group(1) == re.search(
-        r"weights (\w+)", summaries[1]
-    ).group(1)
     assert "2 replica(s) on 2 worker(s), 40 steps (40 applied)" in summaries[0], summaries[0]
     card = json.load(open(run / "run_card.json"))
     assert (
@@ -197,3 +198,15 @@ def test_launched_2x2_mnist_survives_a_killed_worker_and_resumes_on_1_worker_the
     assert "60 steps (60 applied)" in unsplit.stdout, unsplit.stdout[-2000:]
     model = keras.models.load_model(run / "model.keras", compile=False)  # plain Keras, unsplit
     assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+    # And back: the unsplit checkpoint resumes 2 x 2.
+    command = [sys.executable, "-m", "tfmp.launch", "--workers=2", "--", sys.executable, *APP]
+    back = subprocess.run(
+        [*command, "--steps=70", f"--model_dir={run}"], cwd=ROOT, env=env, text=True, capture_output=True
+    )
+    assert back.returncode == 0, back.stdout[-3000:] + back.stderr[-3000:]
+    summaries = _summaries(back.stdout)
+    assert _weights_digest(summaries[0]) == _weights_digest(summaries[1])
+    assert (
+        "70 steps (70 applied)" in summaries[0]
+        and "from step 60" in json.load(open(run / "run_card.json"))["steps"]
+    )
