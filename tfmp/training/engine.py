@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import keras
 import numpy as np
@@ -164,38 +165,31 @@ class Engine:
             scaled_loss = self.optimizer.scale_loss(loss)
         return y_pred, loss, tape.gradient(scaled_loss, self.model.trainable_variables)
 
-    def _train_replica_step(self, data, stop_requested):
+    def _train_replica_step(self, data, stop_requested, apply: bool = True):
+        """One replica's step; with `apply=False` (worker-local variables) it returns the
+        gradients summed over every replica, and so over workers, instead of applying them."""
         x, y, sample_weight, _ = _unpack(data)
         y_pred, loss, gradients = self._gradients(x, y, sample_weight)
+        if not apply:
+            gradients = _all_reduce_by_device(tf.distribute.get_replica_context(), gradients)
         # The loss alone can look finite when the gradients are not (cross-entropy clips NaN
-        # probabilities), so the stop/skip statistics check the gradients themselves.
+        # probabilities), so the stop/skip statistics check the gradients themselves (summed
+        # ones when not applied here: non-finite on any worker is non-finite on every worker).
         finite = tf.reduce_all(
             [tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None]
             + [tf.math.is_finite(tf.cast(loss, tf.float32))]
         )
-        self.optimizer.apply(gradients, self.model.trainable_variables)
+        if apply:
+            self.optimizer.apply(gradients, self.model.trainable_variables)
         self._track(loss, _rows(x), finite, x, y, y_pred, sample_weight)
         self._status.assign_add(tf.stack([tf.where(finite, 0.0, 1.0), tf.cast(stop_requested, tf.float32)]))
-
-    def _reduce_replica_step(self, data, stop_requested):
-        """`_train_replica_step` for worker-local variables: returns the gradients summed over
-        every replica (so over workers) instead of applying them."""
-        x, y, sample_weight, _ = _unpack(data)
-        y_pred, loss, gradients = self._gradients(x, y, sample_weight)
-        reduced = _all_reduce_by_device(tf.distribute.get_replica_context(), gradients)
-        # Summed gradients: a non-finite one on any worker is non-finite on every worker.
-        finite = tf.reduce_all(
-            [tf.reduce_all(tf.math.is_finite(g)) for g in reduced if g is not None]
-            + [tf.math.is_finite(tf.cast(loss, tf.float32))]
-        )
-        self._track(loss, _rows(x), finite, x, y, y_pred, sample_weight)
-        self._status.assign_add(tf.stack([tf.where(finite, 0.0, 1.0), tf.cast(stop_requested, tf.float32)]))
-        return {str(position): g for position, g in enumerate(reduced) if g is not None}
+        return None if apply else {str(position): g for position, g in enumerate(gradients) if g is not None}
 
     def _worker_local_step(self, data, stop_requested):
         # In the cross-replica context of no strategy: the optimizer (made outside the scope)
         # updates this worker's own variables once, with the sums every worker got alike.
-        reduced = self.strategy.run(self._reduce_replica_step, args=(data, stop_requested))
+        step = functools.partial(self._train_replica_step, apply=False)
+        reduced = self.strategy.run(step, args=(data, stop_requested))
         variables = self.model.trainable_variables
         gradients = [None] * len(variables)
         for position, gradient in reduced.items():
