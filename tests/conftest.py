@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -157,3 +158,21 @@ def peer_errors_once_formed(launcher_output, markers, workers=2):
         assert starts, f"worker {worker} never printed any of {markers}"
         found += [line for line in lines[starts[0] :] if PEER_ERRORS.search(line)]
     return found
+
+
+def workers_of(launcher: subprocess.Popen) -> list[int]:
+    """The pids of the worker processes a running `python -m tfmp.launch` started."""
+    with open(f"/proc/{launcher.pid}/task/{launcher.pid}/children") as children:
+        return [int(pid) for pid in children.read().split()]
+
+
+def wait_for_log_past(launcher: subprocess.Popen, metrics, step: int, timeout: float = 300) -> None:
+    """Waits until the run's `metrics` (metrics.jsonl) logs a training step beyond `step`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and launcher.poll() is None:
+        if metrics.exists():
+            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line]
+            if steps and max(steps) > step:
+                return
+        time.sleep(0.05)
+    pytest.fail(f"training did not log past step {step} (launcher exit {launcher.poll()})")

@@ -17,7 +17,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from conftest import ROOT, peer_errors_once_formed, run_python
+from conftest import ROOT, peer_errors_once_formed, run_python, wait_for_log_past, workers_of
 
 from tfmp.distribute import launch
 
@@ -69,11 +69,6 @@ def _digest(summary):
 def _checkpoint_steps(tmp_path):
     paths = glob.glob(str(tmp_path / "run" / "checkpoints" / "ckpt-*.index"))
     return sorted(int(re.search(r"ckpt-(\d+)", p).group(1)) for p in paths)
-
-
-def _workers_of(process):
-    with open(f"/proc/{process.pid}/task/{process.pid}/children") as children:
-        return [int(pid) for pid in children.read().split()]
 
 
 def test_two_workers_match_one_process_and_only_the_chief_writes(tmp_path):
@@ -146,24 +141,11 @@ def test_app_goes_multi_worker_under_the_launcher_and_prunes_identically(tmp_pat
     assert np.mean(first == 0) == pytest.approx(0.5, abs=0.02)
 
 
-def _wait_for_log_past(process, tmp_path, step, timeout=300):
-    """Waits until metrics.jsonl logs a training step beyond `step` (the group is training)."""
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + timeout
-    while time.time() < deadline and process.poll() is None:
-        if metrics.exists():
-            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line]
-            if steps and max(steps) > step:
-                return
-        time.sleep(0.05)
-    pytest.fail(f"training did not log past step {step} (launcher exit {process.poll()})")
-
-
 def _next_group(process, group, timeout=300):
     """The worker pids of the group the launcher starts after `group` ended."""
     deadline = time.time() + timeout
     while time.time() < deadline and process.poll() is None:
-        workers = _workers_of(process)
+        workers = workers_of(process)
         if len(workers) == 2 and not set(workers) & set(group):
             return workers
         time.sleep(0.05)
@@ -188,12 +170,14 @@ def test_sigterm_then_sigkill_on_a_worker_each_restart_the_group_from_its_checkp
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    _wait_for_log_past(process, tmp_path, 0)
-    first_group = _workers_of(process)
+    wait_for_log_past(process, tmp_path / "run" / "metrics.jsonl", 0)
+    first_group = workers_of(process)
     os.kill(first_group[1], signal.SIGTERM)
     second_group = _next_group(process, first_group)
     preempted_at = _checkpoint_steps(tmp_path)[-1]
-    _wait_for_log_past(process, tmp_path, preempted_at)  # the restarted group trains again
+    wait_for_log_past(
+        process, tmp_path / "run" / "metrics.jsonl", preempted_at
+    )  # the restarted group trains again
     os.kill(second_group[1], signal.SIGKILL)
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]

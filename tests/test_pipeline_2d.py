@@ -14,13 +14,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import ROOT, run_python
+from conftest import ROOT, run_python, wait_for_log_past, workers_of
 
 from tfmp import models, precision
 from tfmp.classification import data
@@ -146,22 +145,6 @@ def _weights_digest(summary):
     return re.search(r"weights ([0-9a-f]{12})", summary).group(1)
 
 
-def _wait_for_log_past(process, metrics, step, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline and process.poll() is None:
-        if metrics.exists():
-            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line]
-            if steps and max(steps) > step:
-                return
-        time.sleep(0.05)
-    pytest.fail(f"training did not log past step {step} (launcher exit {process.poll()})")
-
-
-def _workers_of(process):
-    with open(f"/proc/{process.pid}/task/{process.pid}/children") as children:
-        return [int(pid) for pid in children.read().split()]
-
-
 def test_launched_2x2_mnist_survives_a_killed_worker_resumes_on_1_worker_unsplit_and_back(tmp_path):
     run = tmp_path / "run"
     scratch = tmp_path / "tmp"
@@ -172,8 +155,8 @@ def test_launched_2x2_mnist_survives_a_killed_worker_resumes_on_1_worker_unsplit
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    _wait_for_log_past(process, run / "metrics.jsonl", 10)  # a checkpoint exists at step 10
-    os.kill(_workers_of(process)[1], signal.SIGKILL)
+    wait_for_log_past(process, run / "metrics.jsonl", 10)  # a checkpoint exists at step 10
+    os.kill(workers_of(process)[1], signal.SIGKILL)
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
     assert "[launch] worker 1 exited with -9" in output and "[launch] restart 1/1" in output
