@@ -19,10 +19,12 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from rounding import assert_replicas_step_like_one_device  # noqa: E402
 from test_fused_norm import LOAD_WITHOUT_TFMP, _assert_close, _relative_tolerance  # noqa: E402
 
 from tfmp.detection import retinanet  # noqa: E402
 from tfmp.precision.fused_norm import fuse_normalization, is_fused, status  # noqa: E402
+from tfmp.training.engine import Engine  # noqa: E402
 
 POLICIES = ["float32", "mixed_float16", "mixed_bfloat16"]
 # (groups, input shape, other config): channels-last 4-D with Keras' defaults, instance norm
@@ -141,6 +143,35 @@ def test_conv_model_trains_like_keras(policy, xla):
         update = theirs.numpy() - before
         _assert_close(mine.numpy() - before, update, **tolerance, what=mine.path)
         assert np.abs(update).max() > 0, f"{mine.path} did not change"
+
+
+@pytest.mark.parametrize("xla", [False, True], ids=["xla-off", "xla-on"])
+def test_mirrored_replicas_step_like_one_device(mirrored, xla):
+    """One Engine step of the fused tiny model on 2 in-process replicas (each its half of the
+    batch: group statistics are per example) moves every weight as one device does."""
+    rng = np.random.default_rng(5)
+    images = rng.normal(0.5, 1.0, (2 * BATCH, *IMAGE)).astype(np.float32)
+    labels = rng.integers(0, CLASSES, 2 * BATCH).astype(np.int32)
+
+    def build_engine(strategy):
+        with strategy.scope():
+            model = tiny_gn_model()
+            assert len(fuse_normalization(model).fused) == 2
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        return Engine(strategy, model, xla=xla)
+
+    def batches(strategy):
+        def dataset_fn(context):
+            dataset = tf.data.Dataset.from_tensor_slices((images, labels))
+            return dataset.shard(context.num_input_pipelines, context.input_pipeline_id).batch(
+                context.get_per_replica_batch_size(2 * BATCH)
+            )
+
+        return iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+    # A weight gradient sums the global batch's positions x 2 channels per group.
+    assert_replicas_step_like_one_device(build_engine, batches, mirrored, 2 * BATCH * IMAGE[0] * IMAGE[1] * 2)
 
 
 def test_retinanet_tiny_fuses_every_group_norm_and_predicts_like_keras():
