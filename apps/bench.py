@@ -31,12 +31,13 @@ call 10 vs 1, Python threads vs the GIL).
 backward in float32 and mixed_bfloat16, summed by layer class, against the Engine's step
 (timed with --steps_per_execution, --repeats, ...); prints the tables, writes layer_profile.json.
 
---fused_norm=false,true measures each classifier both as built (Keras' layer) and, like the default, with every
-BatchNormalization on the fused kernel (`tfmp.precision.fuse_normalization`), giving the ratio
+--fused_norm=false,true measures each model both as built (Keras' layer) and, like the default, with every
+BatchNormalization and GroupNormalization fused (`tfmp.precision.fuse_normalization`), giving the ratio
 fused_vs_keras_norm (examples/s and live peak); --models also takes the plain Keras models
 keras_bn_cnn and keras_resnet (`tfmp.bench.keras_models`: keras.layers only, trained by tfmp's
 Engine). --bn_study adds one BatchNormalization alone, Keras' layer vs fused, forward + backward
-on a --bn_study_shape tensor in float32, mixed_bfloat16 and mixed_float16 (fused_vs_keras_bn).
+on a --bn_study_shape tensor in float32, mixed_bfloat16 and mixed_float16 (fused_vs_keras_bn);
+--bn_study_groups=G studies GroupNormalization(G) instead.
 
 --mode=memory --memory_budget_mb=N finds, per model and precision, the largest global batch
 whose training step's live peak fits N MiB (`tfmp.bench.memory`: a line fitted through
@@ -118,7 +119,7 @@ flags.DEFINE_integer("layer_profile_repeats", 20, "--layer_profile: interleaved 
 flags.DEFINE_list(
     "fused_norm",
     ["true"],
-    "Classifiers' BatchNormalization on the fused kernel, as the apps train them: true, false (Keras'), or both.",
+    "BatchNormalization and GroupNormalization fused, as the apps train them: true, false (Keras'), or both.",
 )
 flags.DEFINE_bool("bn_study", False, "Also time one BatchNormalization alone, Keras' layer vs fused.")
 flags.DEFINE_list(
@@ -126,6 +127,9 @@ flags.DEFINE_list(
 )
 flags.DEFINE_integer(
     "bn_study_rounds", 20, "--bn_study: rounds timing Keras' layer and the fused one in turn."
+)
+flags.DEFINE_integer(
+    "bn_study_groups", 0, "--bn_study: 0 studies BatchNormalization, G > 0 GroupNormalization(G)."
 )
 flags.DEFINE_float("memory_budget_mb", 0, "--mode=memory: the live-peak budget (MiB) a batch must fit.")
 flags.DEFINE_list(
@@ -236,6 +240,7 @@ def _config() -> bench.BenchConfig:
         bn_study=FLAGS.bn_study,
         bn_study_shape=_integers("bn_study_shape"),
         bn_study_rounds=FLAGS.bn_study_rounds,
+        bn_study_groups=FLAGS.bn_study_groups,
         memory_budget_mb=FLAGS.memory_budget_mb,
         memory_probe_batches=_integers("memory_probe_batches"),
         memory_batch_step=FLAGS.memory_batch_step,

@@ -60,7 +60,8 @@ flags.DEFINE_list(
 flags.DEFINE_bool(
     "fused_norm",
     True,
-    "BatchNormalization on TensorFlow's fused kernel (half precision in and out, float32 statistics); "
+    "BatchNormalization on TensorFlow's fused kernel and GroupNormalization on tfmp's (half precision in "
+    "and out, float32 statistics); "
     "--nofused_norm runs Keras' own layer, to compare.",
 )
 flags.DEFINE_bool(

@@ -424,7 +424,7 @@ def test_runs_fuse_their_builders_batch_norms_unless_told_not_to(tmp_path, fused
     assert len(norms) == 19 and all(is_fused(layer) == fused for layer in norms)
     assert unfused(model) == (() if fused else tuple(f"{model.name}/{layer.name}" for layer in norms))
     train_and_evaluate(config, TASK)
-    card = json.load(open(tmp_path / "run_card.json"))["batch normalization"]
+    card = json.load(open(tmp_path / "run_card.json"))["normalization"]
     assert card == ("19 on the fused kernel" if fused else "19 on Keras' layer (--nofused_norm)")
 
 
@@ -436,12 +436,12 @@ def test_fit_tells_once_what_fusing_would_change(tmp_path, caplog):
     for _ in range(2):
         tfmp.fit(model, dataset, epochs=1, model_dir=str(tmp_path / "run"), verbose=0)
     hints = [record.getMessage() for record in caplog.records if "fuse_normalization" in record.getMessage()]
-    assert len(hints) == 1 and hints[0].startswith("tfmp: 2 BatchNormalization layer(s) run Keras' layer;")
-    card = json.load(open(tmp_path / "run" / "run_card.json"))["batch normalization"]
+    assert len(hints) == 1 and hints[0].startswith("tfmp: 2 BatchNormalization/GroupNormalization layer(s) run Keras' layer;")
+    card = json.load(open(tmp_path / "run" / "run_card.json"))["normalization"]
     assert card.startswith("2 layer(s) on Keras' layer; tfmp.fuse_normalization(model) before fit")
     fuse_normalization(model)
     tfmp.fit(model, dataset, epochs=1, model_dir=str(tmp_path / "fused"), verbose=0)
-    assert "batch normalization" not in json.load(open(tmp_path / "fused" / "run_card.json"))
+    assert "normalization" not in json.load(open(tmp_path / "fused" / "run_card.json"))
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ FUSE_HINT = (
     "half-precision activations stay half (Keras' layer keeps float32 copies for the backward pass), "
     "the same numbers within rounding, the same weights and .keras file"
 )
-_hinted = set()  # models told once about unfused BatchNormalization
+_hinted = set()  # models told once about unfused normalization
 
 
 def prepare(model: keras.Model, xla: bool = False) -> tuple[tf.distribute.Strategy, Engine, str | None]:
@@ -98,7 +98,11 @@ def prepare(model: keras.Model, xla: bool = False) -> tuple[tf.distribute.Strate
     unfused = fused_norm.unfused(model)
     if unfused and id(model) not in _hinted:
         _hinted.add(id(model))
-        logging.warning("tfmp: %d BatchNormalization layer(s) run Keras' layer; %s", len(unfused), FUSE_HINT)
+        logging.warning(
+            "tfmp: %d BatchNormalization/GroupNormalization layer(s) run Keras' layer; %s",
+            len(unfused),
+            FUSE_HINT,
+        )
     strategy = model_strategy(model)
     optimizer, note = precision.ensure_loss_scaling(model, strategy)
     if optimizer is not model.optimizer:
@@ -291,7 +295,7 @@ def run_card(
         card["tfmp changed"] = note
     unfused = fused_norm.unfused(model)
     if unfused:
-        card["batch normalization"] = f"{len(unfused)} layer(s) on Keras' layer; {FUSE_HINT}"
+        card["normalization"] = f"{len(unfused)} layer(s) on Keras' layer; {FUSE_HINT}"
     return card
 
 

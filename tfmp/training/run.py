@@ -286,13 +286,13 @@ def build_model(config: TrainConfig, plan: Plan, task: Task) -> keras.Model:
 
 
 def _normalization_card(model: keras.Model) -> dict:
-    """Which BatchNormalization layers run on the fused kernel (--fused_norm), and why not the rest."""
+    """Which BatchNormalization and GroupNormalization layers run fused (--fused_norm), and why not the rest."""
     state, unfused = fused_norm.status(model), fused_norm.unfused(model)
     rows = [f"{len(state.fused)} on the fused kernel"] if state.fused else []
     if unfused:
         rows.append(f"{len(unfused)} on Keras' layer (--nofused_norm)")
     rows += [f"{path} on Keras' layer: {reason}" for path, reason in state.left_alone]
-    return {"batch normalization": "; ".join(rows)} if rows else {}
+    return {"normalization": "; ".join(rows)} if rows else {}
 
 
 def _float32_layers_card(config: TrainConfig, model: keras.Model) -> dict:
