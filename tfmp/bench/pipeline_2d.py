@@ -32,6 +32,8 @@ half of the weights and activations.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -55,8 +57,7 @@ def _strategy() -> tf.distribute.Strategy:
 def _model(model_name, image_size, policy, strategy, split, micro_batches):
     """(engine, plan or None): built outside the scope when `split`, compiled in `strategy`."""
     keras.utils.set_random_seed(0)
-    scope = strategy.scope() if not split else tf.distribute.get_strategy().scope()
-    with scope:
+    with contextlib.nullcontext() if split else strategy.scope():
         model = models.build(model_name, (image_size, image_size, 3), 10, dtype=policy)
         optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy, "auto")
     plan = None

@@ -153,7 +153,6 @@ def _build(config: TrainConfig, plan: Plan, task: Task) -> tuple:
         )
         with plan.model_strategy.scope():
             pipeline.place(model, stages)  # before compile: optimizer slots follow their variables
-        stages.check_batch(plan.per_replica_batch, plan.topology.workers)
     with plan.model_strategy.scope():  # its slots next to their variables, before compile's build
         optimizer.build(model.trainable_variables)
     task.compile(model, optimizer, plan)
