@@ -73,3 +73,12 @@ def test_the_coordination_barrier_exists():
     assert hasattr(eager_context.context(), "wait_at_barrier"), (
         "tensorflow.python.eager.context.Context.wait_at_barrier is gone: update tfmp/compat.py"
     )
+
+
+def test_optimizer_strategy_is_the_one_it_was_made_under():
+    one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with one_device.scope():
+        inside = keras.optimizers.SGD()
+    _require(inside, "_distribution_strategy")
+    assert compat.optimizer_strategy(inside) is one_device
+    assert compat.optimizer_strategy(keras.optimizers.SGD()) is tf.distribute.get_strategy()

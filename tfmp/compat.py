@@ -12,6 +12,8 @@ versions that test passes on.
     Functional._nodes, Layer._inbound_nodes,  which calls of a (shared) layer belong to a given
       the "<id>_ib-<index>" node key          functional model (FLOP counts, pipeline cuts)
     Variable._value, Variable._initialize   re-creating a variable on a pipeline stage's device
+    Optimizer._distribution_strategy        the strategy an optimizer was made in, whose scope
+                                            its slots must be built in (tfmp.fit)
     tensorflow.python.eager.context         the coordination service's barrier (multi-worker)
 """
 
@@ -60,6 +62,13 @@ def recreate_on_current_device(variable: keras.Variable) -> None:
     """Re-creates the backing tf.Variable of `variable` under the current `tf.device` scope,
     keeping its value; Keras has no public way to move a variable."""
     variable._initialize(tf.identity(variable._value.read_value()))
+
+
+def optimizer_strategy(optimizer: keras.optimizers.Optimizer) -> tf.distribute.Strategy:
+    """The strategy `optimizer` was made under (the default one outside every scope). Keras'
+    TensorFlow optimizer creates its slots with that strategy, so building it in another
+    strategy's scope, or in none, fails; a pipeline's worker-local optimizer is made outside."""
+    return optimizer._distribution_strategy
 
 
 def wait_at_barrier(barrier_id: str, timeout_ms: int) -> None:

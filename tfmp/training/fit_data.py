@@ -11,7 +11,6 @@ symbolically for the data's spec, so a shape mismatch is one UsageError, not a t
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import keras
@@ -19,7 +18,6 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import compat
-from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 
 
@@ -245,10 +243,9 @@ def build_for_data(model: keras.Model, strategy, element_spec) -> None:
     optimizer = getattr(model, "optimizer", None)
     variables = model.trainable_variables
     if optimizer is not None and not optimizer.built and variables:
-        # Slots beside their variables: in the strategy's scope, or with none for variables made
-        # outside it (a pipeline per worker; Keras' build below would make them in the scope).
-        distributed = distribute.is_distributed(variables[0])
-        with strategy.scope() if distributed else contextlib.nullcontext():
+        # Slots beside their variables: in the scope the optimizer was made in, which for a
+        # pipeline per worker is none (Keras' build below would make them in `strategy`'s).
+        with compat.optimizer_strategy(optimizer).scope():
             optimizer.build(variables)
     try:
         with strategy.scope():
