@@ -64,8 +64,9 @@ def _replica_values(model):
 
 # XLA compiles per replica device, so the mirrored XLA cells cover what the default strategy's
 # would (the Engine's one-device XLA path is test_matrix's); each costs 15-40 s of compiling.
+# The XLA cells are slow-marked: they are most of `-m "not slow"`'s time (DEVELOPERS.md: 5 min).
 CELLS = [(name, policy, False) for name in ("default", "mirrored") for policy in precision.POLICIES] + [
-    ("mirrored", policy, True) for policy in precision.POLICIES
+    pytest.param("mirrored", policy, True, marks=pytest.mark.slow) for policy in precision.POLICIES
 ]
 
 

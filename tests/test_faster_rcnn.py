@@ -210,8 +210,9 @@ def _replica_values(model):
 
 # XLA compiles per replica device, so the mirrored cells cover what the default strategy's
 # would; each XLA cell costs 15-30 s of compiling, hence one step and no default-strategy XLA.
+# The XLA cells are slow-marked: they are most of `-m "not slow"`'s time (DEVELOPERS.md: 5 min).
 CELLS = [(name, policy, False) for name in ("default", "mirrored") for policy in POLICIES] + [
-    ("mirrored", policy, True) for policy in POLICIES
+    pytest.param("mirrored", policy, True, marks=pytest.mark.slow) for policy in POLICIES
 ]
 
 
