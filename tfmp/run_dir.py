@@ -18,6 +18,7 @@ This module imports nothing heavy, so the launcher and `apps.predict` can read a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -63,6 +64,48 @@ def writable_dir(path: str, flag: str = "--model_dir") -> str:
             f"{flag}={path}: cannot write in {ancestor} ({reason}); name a writable directory"
         ) from None
     return resolved
+
+
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """Yields a temporary sibling of the file `path` to write; on success it is synced and renamed onto
+    `path`, so a reader (or a kill -9 mid-write) sees the old file whole or the new one whole.
+
+        with run_dir.atomic_path(os.path.join(model_dir, run_dir.MODEL_FILE)) as temporary:
+            model.save(temporary)
+
+    The sibling keeps `path`'s extension (Keras checks `.keras`) and starts with `.tmp-`, so a
+    leftover from a killed writer is recognisable and removed at the next start. On an error it is removed
+    and the error propagates; `path` is untouched.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(directory, f".tmp-{os.getpid()}-{name}")
+    try:
+        yield temporary
+        with open(temporary, "rb") as file:  # the bytes reach the disk before the name does
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+    _fsync_directory(directory)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """`path` holds `text` whole, or keeps what it held (see `atomic_path`)."""
+    with atomic_path(path) as temporary, open(temporary, "w", encoding="utf-8") as file:
+        file.write(text)
+
+
+def _fsync_directory(directory: str) -> None:
+    # The rename itself is durable only once the directory entry is on disk.
+    with contextlib.suppress(OSError):
+        descriptor = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def is_run_dir(path: str) -> bool:
