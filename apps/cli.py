@@ -6,7 +6,8 @@
         cli.run(main)
 
 Exit status: 0 done, 2 user error (bad flag or value, impossible combination, unreachable
-peer, corrupt checkpoint), 3 training diverged, 42 preempted or interrupted (checkpoint saved;
+peer, corrupt checkpoint), 3 training diverged, 4 a write failed mid-run (disk full, permission),
+5 a peer worker was lost mid-run, 42 preempted or interrupted (checkpoint saved;
 the message says the command that resumes), 130 interrupted before training started.
 `--help` lists the app's own flags; `--helpfull` every flag, absl's and TensorFlow's too.
 `--verbosity=0` (absl's flag) shows TensorFlow's INFO lines, its C++ start-up lines included.
@@ -25,7 +26,18 @@ import warnings
 from absl import app, flags
 from absl import logging as absl_logging
 
-from tfmp.errors import EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USAGE, Preempted, TrainingDiverged, UsageError
+from tfmp.errors import (
+    EXIT_DIVERGED,
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    EXIT_WRITE_FAILED,
+    PeerLost,
+    Preempted,
+    TrainingDiverged,
+    UsageError,
+    WriteFailed,
+)
 
 FLAGS = flags.FLAGS
 EXIT_INTERRUPTED = 130  # the shell's 128 + SIGINT
@@ -164,6 +176,12 @@ def run(main, positional_arguments: bool = False) -> None:
         except Preempted as error:
             print(f"preempted: {error}", file=sys.stderr)
             sys.exit(EXIT_PREEMPTED)
+        except WriteFailed as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(EXIT_WRITE_FAILED)
+        except PeerLost as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(EXIT_PEER_LOST)
         except KeyboardInterrupt:
             # ^C inside the training loop saves a checkpoint (Preempted above); this is one
             # before it started or after it ended, with no step to lose.

@@ -20,7 +20,18 @@ class TrainingDiverged(RuntimeError):
     """The loss became non-finite where no loss scaler can skip the step (exit status 3)."""
 
 
-EXIT_USAGE, EXIT_DIVERGED = 2, 3
+class WriteFailed(RuntimeError):
+    """A write into the run failed mid-run (disk full, permission denied, read-only file system,
+    file-size limit): the message names the path and the fix; what was already saved is whole
+    (files are renamed into place) and the same command resumes from the last checkpoint (exit 4)."""
+
+
+class PeerLost(RuntimeError):
+    """Another worker of a multi-worker job stopped answering mid-run (exit 5); the message names
+    it and the command that resumes from the last checkpoint."""
+
+
+EXIT_USAGE, EXIT_DIVERGED, EXIT_WRITE_FAILED, EXIT_PEER_LOST = 2, 3, 4, 5
 EXIT_PREEMPTED = 42  # as tf.distribute's PreemptionCheckpointHandler: "checkpoint saved, restart me"
 
 
