@@ -233,8 +233,9 @@ def run(config: InferenceBenchConfig, progress=print) -> dict:
         "rows": rows,
         "ratios": _ratios(rows),
     }
-    with open(os.path.join(config.output_dir, "inference_bench.json"), "w", encoding="utf-8") as file:
-        json.dump(report, file, indent=2)
+    run_dir.write_text_atomic(
+        os.path.join(config.output_dir, "inference_bench.json"), json.dumps(report, indent=2)
+    )
     return report
 
 

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from tfmp import run_dir
 from tfmp.bench import matrix, memory, schema
 from tfmp.bench import report as bench_report
 
@@ -201,8 +202,7 @@ def run(config: matrix.BenchConfig, progress=print) -> dict:
     }
     report["ratios"] = bench_report.derive(planned)
     schema.check(report)  # the file always has exactly the documented fields (docs/bench.md)
-    with open(os.path.join(config.output_dir, "bench.json"), "w", encoding="utf-8") as file:
-        json.dump(report, file, indent=2)
+    run_dir.write_text_atomic(os.path.join(config.output_dir, "bench.json"), json.dumps(report, indent=2))
     report["chart"] = bench_report.chart(planned, os.path.join(config.output_dir, "bench.png"))
     return report
 
@@ -226,8 +226,9 @@ def run_layer_profile(config: matrix.BenchConfig, progress=print) -> dict:
         "load_average": {"before": load_before, "after": load_average()},
         "cells": planned,
     }
-    with open(os.path.join(config.output_dir, "layer_profile.json"), "w", encoding="utf-8") as file:
-        json.dump(report, file, indent=2)
+    run_dir.write_text_atomic(
+        os.path.join(config.output_dir, "layer_profile.json"), json.dumps(report, indent=2)
+    )
     return report
 
 
@@ -276,6 +277,5 @@ def run_memory_search(config: matrix.BenchConfig, progress=print) -> dict:
     }
     schema.check(report)
     os.makedirs(config.output_dir, exist_ok=True)
-    with open(os.path.join(config.output_dir, "bench.json"), "w", encoding="utf-8") as file:
-        json.dump(report, file, indent=2)
+    run_dir.write_text_atomic(os.path.join(config.output_dir, "bench.json"), json.dumps(report, indent=2))
     return report

@@ -93,10 +93,7 @@ def save_report(report: Report, directory: str) -> str:
     """Writes `directory/precision_report.json` (whole, via a temporary file); returns its path."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, REPORT_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as file:
-        json.dump(report.to_dict(), file, indent=1, allow_nan=True)
-        file.write("\n")
-    os.replace(path + ".tmp", path)
+    run_dir.write_text_atomic(path, json.dumps(report.to_dict(), indent=1, allow_nan=True) + "\n")
     return path
 
 
