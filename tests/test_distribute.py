@@ -2,7 +2,10 @@
 
 import json
 import math
+import socket
 import sys
+import threading
+import time
 
 import pytest
 import tensorflow as tf
@@ -120,3 +123,36 @@ def test_a_preempted_group_exits_42_or_is_restarted(tmp_path, monkeypatch, capfd
     command = [sys.executable, "-c", PREEMPTED_ONCE, str(tmp_path)]
     assert launch.launch_local(command, num_workers=2, max_restarts=max_restarts) == code
     assert ("[launch] restart 1/1" in capfd.readouterr().out) == (max_restarts == 1)
+
+
+def _accepts(host, port):
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def test_rendezvous_listens_on_the_workers_own_address_only():
+    """A worker named `localhost` in TF_CONFIG is reachable at 127.0.0.1 during the rendezvous but
+    not at 127.0.0.2, which is loopback too: the listener is bound to the one address, not to
+    every interface (where 127.0.0.2, and any other host, would reach it)."""
+    own, missing = launch.free_ports(2)
+    config = cluster.parse_tf_config(_tf_config({"worker": [f"localhost:{own}", f"localhost:{missing}"]}))
+    failure = []
+
+    def wait():
+        try:
+            cluster.rendezvous(config, timeout=3)
+        except UsageError as error:
+            failure.append(str(error))
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    deadline = time.monotonic() + 2
+    while not _accepts("127.0.0.1", own) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _accepts("127.0.0.1", own)
+    assert not _accepts("127.0.0.2", own)
+    waiting.join()
+    assert f"could not reach localhost:{missing} within 3 s" in failure[0]

@@ -9,6 +9,7 @@ The launcher uses this module too, so it starts in milliseconds and never touche
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import re
 import socket
@@ -101,17 +102,7 @@ def rendezvous(cluster: ClusterConfig, timeout: float) -> None:
     every peer; once all answered it closes the socket and TensorFlow binds the port. A slower
     peer still dialling then reaches TensorFlow's server instead, which counts as well.
     """
-    host, _, port = cluster.address.rpartition(":")
-    listener = socket.socket(socket.AF_INET6 if host.startswith("[") else socket.AF_INET)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind(("", int(port)))
-    except OSError as error:
-        raise UsageError(
-            f"this worker's port {cluster.address} is not free ({error.strerror}); "
-            "pick another port in TF_CONFIG or stop what holds it"
-        ) from None
-    listener.listen(64)
+    listener = _listen(cluster.address)
     listener.settimeout(0.2)
     done = threading.Event()
 
@@ -141,6 +132,47 @@ def rendezvous(cluster: ClusterConfig, timeout: float) -> None:
             f"{', '.join(sorted(waiting))} within {timeout:g} s; start every worker, check the "
             "addresses and firewalls, or raise --startup_timeout"
         )
+
+
+def _listen(address: str) -> socket.socket:
+    """A socket listening on `address`'s own host only, not on every interface: `localhost` is
+    loopback, a name the address of this host it resolves to. A name that does not resolve yet
+    (a pod's DNS record can lag its start) or names no address of this host (NAT, a service's
+    virtual IP) falls back to every interface: peers must still reach us, and this listener
+    only accepts and drops connections (TensorFlow's own server, which runs code, binds every
+    interface anyway: docs/security.md)."""
+    host, _, port = address.rpartition(":")
+    family, bind_host = _own_address(host.strip("[]"))
+    listener = socket.socket(family)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        try:
+            listener.bind((bind_host, int(port)))
+        except OSError as error:
+            if error.errno != errno.EADDRNOTAVAIL:
+                raise
+            listener.bind(("", int(port)))
+    except OSError as error:
+        listener.close()
+        raise UsageError(
+            f"this worker's port {address} is not free ({error.strerror}); "
+            "pick another port in TF_CONFIG or stop what holds it"
+        ) from None
+    listener.listen(64)
+    return listener
+
+
+def _own_address(host: str) -> tuple[socket.AddressFamily, str]:
+    """(family, address) to bind for TF_CONFIG's `host`; ("", every interface) if it does not resolve."""
+    if host == "localhost":
+        return socket.AF_INET, "127.0.0.1"
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return (socket.AF_INET6 if ":" in host else socket.AF_INET), ""
+    found.sort(key=lambda entry: entry[0] != socket.AF_INET)  # IPv4 first; a dialling peer tries each
+    family, _, _, _, sockaddr = found[0]
+    return family, sockaddr[0]
 
 
 def _peers(cluster: ClusterConfig) -> list[str]:
