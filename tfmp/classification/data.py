@@ -89,19 +89,27 @@ DIGITS_CLASS_NAMES = tuple(str(digit) for digit in range(10))
 
 # ----------------------------------------------------------------------------- spec handling
 def describe(
-    spec: str, image_size: int | None = None, data_dir: str | None = None, *, verify: bool = True
+    spec: str,
+    image_size: int | None = None,
+    data_dir: str | None = None,
+    *,
+    verify: bool = True,
+    max_image_pixels: int = image_files.MAX_IMAGE_PIXELS,
 ) -> DatasetInfo:
     """Validates `spec` and returns its shape, classes and split sizes without loading data.
 
     `verify` (what a training run needs before it writes anything): both splits have examples,
     every image file of a folder starts and ends as an image does (`tfmp.input.image_files`:
-    two small reads a file, ~0.2 s per 10,000 cached files), a TFDS dataset's records are in
-    `data_dir`. `verify=False` checks only what naming the classes and the image shape needs.
+    two small reads a file, ~0.2 s per 10,000 cached files) and declares at most
+    `max_image_pixels` pixels (0: no limit), a TFDS dataset's records are in `data_dir`.
+    `verify=False` checks only what naming the classes and the image shape needs.
     """
-    return _source(spec, "train", image_size, data_dir, verify=verify).info
+    return _source(spec, "train", image_size, data_dir, verify=verify, max_pixels=max_image_pixels).info
 
 
-def _source(spec, split, image_size, data_dir, verify=False) -> Source:
+def _source(
+    spec, split, image_size, data_dir, verify=False, max_pixels=image_files.MAX_IMAGE_PIXELS
+) -> Source:
     kind, arg = specs.parse(
         spec,
         builtins=("shapes", "digits", "synthetic"),
@@ -116,7 +124,7 @@ def _source(spec, split, image_size, data_dir, verify=False) -> Source:
     if kind == "tfds":
         return _tfds_source(spec, arg, split, size, data_dir, verify)
     if kind == "folder":
-        return _folder_source(spec, arg, split, size, verify)
+        return _folder_source(spec, arg, split, size, verify, max_pixels)
     return _builtin_source(spec, kind, split, size)
 
 
@@ -192,9 +200,7 @@ def _tfds_source(spec, name, split, size, data_dir, verify):
         )
 
     def decode(encoded, label):
-        image = tf.image.convert_image_dtype(image_feature.decode_example(encoded), tf.float32)
-        if size:
-            image = tf.clip_by_value(tf.image.resize(image, (size, size), antialias=True), 0, 1)
+        image = image_files.unit_float(image_feature.decode_example(encoded), (size, size) if size else None)
         return image, tf.cast(label, tf.int32)
 
     channels = native_shape[2] or 3
@@ -246,7 +252,7 @@ def _folder_files(path):
     return classes, files(root, False), files(root, True)
 
 
-def _folder_source(spec, path, split, size, verify):
+def _folder_source(spec, path, split, size, verify, max_pixels):
     classes, train, evaluation = _folder_files(path)
     if not train:
         raise UsageError(
@@ -262,14 +268,13 @@ def _folder_source(spec, path, split, size, verify):
             f"(every 10th is held out) or put the eval images in {path}/val/<class>/ beside train/"
         )
     if verify:  # a bad file found now, before the run writes anything, not as a traceback mid-run
-        image_files.check([file for file, _ in train + evaluation], spec)
+        image_files.check([file for file, _ in train + evaluation], spec, max_pixels=max_pixels)
     chosen = train if split == "train" else evaluation
     paths, labels = [p for p, _ in chosen], [label for _, label in chosen]
 
     def decode(file_path, label):
         raw = tf.io.decode_image(tf.io.read_file(file_path), channels=3, expand_animations=False)
-        image = tf.image.resize(tf.image.convert_image_dtype(raw, tf.float32), (size, size), antialias=True)
-        return tf.clip_by_value(image, 0.0, 1.0), tf.cast(label, tf.int32)
+        return image_files.unit_float(raw, (size, size)), tf.cast(label, tf.int32)  # uint8 resized
 
     def examples(file_shard_context, _):  # one file per example: sharding files = sharding data
         dataset = tf.data.Dataset.from_tensor_slices((paths, labels))

@@ -65,8 +65,8 @@ from tfmp.detection.sources import (  # noqa: F401  (re-exported: data.Detection
     DetectionInfo,
 )
 from tfmp.errors import UsageError
+from tfmp.input import image_files, stream
 from tfmp.input import spec as specs
-from tfmp.input import stream
 from tfmp.input.source import Source
 
 SPLITS = specs.SPLITS
@@ -87,9 +87,10 @@ def source(
     data_dir: str | None = None,
     max_boxes: int | None = None,
     verify: bool = False,
+    max_image_pixels: int = image_files.MAX_IMAGE_PIXELS,
 ) -> Source:
     """The `Source` of one split of `spec` (validates everything `load` would; `verify`: what
-    `describe` checks besides)."""
+    `describe` checks besides, `max_image_pixels` its limit)."""
     kind, argument = specs.parse(
         spec, builtins=("shapes",), with_argument=("coco", "tfds"), what="detection dataset", choices=CHOICES
     )
@@ -107,7 +108,9 @@ def source(
     if kind == "shapes":
         return sources.shapes_source(spec, split, size)
     if kind == "coco":
-        return sources.coco_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES, verify)
+        return sources.coco_source(
+            spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES, verify, max_image_pixels
+        )
     return sources.tfds_source(spec, argument, split, size, max_boxes or DEFAULT_MAX_BOXES, data_dir, verify)
 
 
@@ -118,22 +121,26 @@ def describe(
     max_boxes: int | None = None,
     *,
     verify: bool = True,
+    max_image_pixels: int = image_files.MAX_IMAGE_PIXELS,
 ) -> DetectionInfo:
     """Validates `spec` and returns its image size, classes and split sizes without loading.
 
     `verify` (what a training run needs before it writes anything): both splits have images,
-    every COCO image file starts and ends as an image does (`tfmp.input.image_files`), a TFDS
+    every COCO image file starts and ends as an image does and declares at most
+    `max_image_pixels` pixels (0: no limit; `tfmp.input.image_files`), a TFDS
     dataset's records are in `data_dir`; boxes clipped to their image are counted in one
     warning. `verify=False` checks only what naming the classes needs.
     """
-    return source(spec, "train", image_size, data_dir, max_boxes, verify=verify).info
+    return source(spec, "train", image_size, data_dir, max_boxes, verify, max_image_pixels).info
 
 
 # ----------------------------------------------------------------------------- geometry
 def fit_to_square(image, boxes, classes, size: int, key=None, jitter=SCALE_JITTER):
     """Resizes (keeping the aspect ratio), crops/pads to `size` x `size` and flips, moving the
     boxes along; boxes left too small get class -1. With `key` None: longer side = `size`, no
-    crop or flip. Returns (image, boxes, classes, scale = original pixels per output pixel)."""
+    crop or flip. `image`: float32 in [0, 1], or the decoded integers (resized before they become
+    float32, see `image_files.unit_float`). Returns (float32 image, boxes, classes, scale =
+    original pixels per output pixel)."""
     shape = tf.cast(tf.shape(image)[:2], tf.float32)
     if key is None:
         zoom, offset_key, flip = tf.constant(1.0), None, tf.constant(False)
@@ -143,7 +150,11 @@ def fit_to_square(image, boxes, classes, size: int, key=None, jitter=SCALE_JITTE
         flip = tf.random.stateless_uniform([], flip_key) < 0.5
     ratio = size * zoom / tf.reduce_max(shape)
     resized = tf.maximum(tf.cast(tf.round(shape * ratio), tf.int32), 1)
-    image = tf.image.resize(image, resized, antialias=True)
+    image = (
+        image_files.unit_float(image, resized)
+        if image.dtype.is_integer
+        else tf.image.resize(image, resized, antialias=True)
+    )
     if offset_key is None:
         offset = tf.zeros([2], tf.int32)
     else:  # a random window of an enlarged image; 0 where the image is smaller than `size`
@@ -206,19 +217,22 @@ def augment_batch(images, boxes, classes, draws, jitter=SCALE_JITTER):
     return images, boxes, classes
 
 
-def read_image(path: str, image_size: int):
+def read_image(path: str, image_size: int, max_pixels: int = image_files.MAX_IMAGE_PIXELS):
     """One image file for prediction: (model input float32 [S, S, 3], scale = original pixels
-    per input pixel, original image float32 [h, w, 3]). Multiply predicted boxes by `scale` to
-    draw them on the original image."""
+    per input pixel, original image uint8 [h, w, 3]). Multiply predicted boxes by `scale` to
+    draw them on the original image. A file whose header declares more than `max_pixels`
+    pixels (0: no limit) is refused before it is decoded (`image_files.oversized`)."""
     if not tf.io.gfile.exists(path) or tf.io.gfile.isdir(path):
         raise UsageError(f"image file {path!r} does not exist; pass existing image files")
+    too_large = image_files.oversized(path, max_pixels)
+    if too_large:
+        raise UsageError(f"image file {path!r} is {too_large}; shrink it or raise --max_image_pixels")
     try:
         raw = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
     except tf.errors.InvalidArgumentError:
         raise UsageError(f"cannot decode image file {path!r}; use a jpg, png, bmp or gif") from None
-    original = tf.image.convert_image_dtype(raw, tf.float32)
-    image, _, _, scale = fit_to_square(original, tf.zeros([0, 4]), tf.zeros([0], tf.int32), image_size)
-    return image, float(scale), original
+    image, _, _, scale = fit_to_square(raw, tf.zeros([0, 4]), tf.zeros([0], tf.int32), image_size)
+    return image, float(scale), raw
 
 
 def pad_boxes(boxes, classes, max_boxes: int):

@@ -322,9 +322,10 @@ def _coco_splits(path):
     return class_names, train, evaluation, clipped
 
 
-def coco_source(spec, path, split, size, max_boxes, verify=False):
+def coco_source(spec, path, split, size, max_boxes, verify=False, max_pixels=image_files.MAX_IMAGE_PIXELS):
     """A `coco:PATH` split (see the module docstring of `tfmp.detection.data`); `verify` also
-    requires eval images and sniffs every image file of both splits (`tfmp.input.image_files`)."""
+    requires eval images and sniffs every image file of both splits (`tfmp.input.image_files`),
+    refusing one whose header declares more than `max_pixels` pixels (0: no limit)."""
     class_names, train, evaluation, clipped = _coco_splits(path)
     for name, examples in (("train", train), ("eval", evaluation)):
         if not examples and (verify or name == split):
@@ -338,6 +339,7 @@ def coco_source(spec, path, split, size, max_boxes, verify=False):
             [example[0] for example in train + evaluation],
             spec,
             fix="remove or repair them, or their entries in the annotation JSON",
+            max_pixels=max_pixels,
         )
         if clipped:  # once per run (`verify` is its describe step's), and only when it starts
             total = sum(len(example[1]) for example in train + evaluation)
@@ -364,7 +366,7 @@ def coco_source(spec, path, split, size, max_boxes, verify=False):
     def decode(item):
         raw = tf.io.decode_image(tf.io.read_file(item["path"]), channels=3, expand_animations=False)
         xyxy = bounding_boxes.convert_format(item["boxes"], source="xywh", target="xyxy")
-        return tf.image.convert_image_dtype(raw, tf.float32), xyxy, item["classes"]
+        return raw, xyxy, item["classes"]  # uint8: fit_to_square resizes it before it becomes float32
 
     return Source(info, len(chosen), len(chosen), examples, decode, max(len(chosen), 1))
 
@@ -416,7 +418,7 @@ def tfds_source(spec, name, split, size, max_boxes, data_dir, verify=False):
         return tfds_reader.read(name, tfds_split, data_dir, file_shard_context, shuffle_seed, decoders)
 
     def decode(item):
-        image = tf.image.convert_image_dtype(image_feature.decode_example(item["image"]), tf.float32)
+        image = image_feature.decode_example(item["image"])  # uint8: fit_to_square resizes it first
         shape = tf.cast(tf.shape(image), tf.float32)
         xyxy = bounding_boxes.convert_format(
             item["objects"]["bbox"], source="rel_yxyx", target="xyxy", height=shape[0], width=shape[1]
