@@ -17,7 +17,15 @@ def unknown(kind: str, value: str, choices) -> UsageError:
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became non-finite where no loss scaler can skip the step (exit status 3)."""
+    """Training stopped on non-finite numbers (exit status 3): the loss or gradients where no
+    loss scaler can skip the step, or float16 loss scaling that keeps skipping (its scale below 1,
+    or too many steps in a row). The model keeps the weights of the step before; rerunning the
+    same command would stop the same way, so the message names the fix."""
+
+
+class NonFiniteInput(TrainingDiverged):
+    """The training data itself held NaN or inf at the named step (exit status 3, as its base):
+    the data needs fixing, not the learning rate or the loss scale."""
 
 
 class WriteFailed(RuntimeError):

@@ -19,6 +19,8 @@ mixed_float16 model's plain optimizer in its own LossScaleOptimizer, which sets 
 
 from __future__ import annotations
 
+import math
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -29,6 +31,8 @@ from tfmp.precision.policy import model_compute_dtypes
 
 DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
+# Skips in a row past the halvings from the initial scale to 1 before a run stops (skip_limit).
+SKIP_MARGIN = 16
 # The loss is scaled in float32: a larger scale is inf there, so every step would be inf.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -43,14 +47,43 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     the step is skipped everywhere and the scale halves. Works in `model.fit` and custom loops.
     """
 
+    def build(self, var_list):
+        super().build(var_list)
+        # Steps skipped in a row, kept by every replica alike (the verdict is all-reduced) and
+        # saved with the optimizer's checkpoint, so a resumed run counts on where it stopped.
+        # A tf.Variable, not an optimizer variable: `.keras` files keep Keras' own list.
+        self.skipped_in_a_row = tf.Variable(
+            0,
+            dtype=tf.int64,
+            trainable=False,
+            name="skipped_in_a_row",
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+
     def check_finite(self, grads):
         finite = super().check_finite(grads)
         replica_context = tf.distribute.get_replica_context()
-        if replica_context is None or replica_context.num_replicas_in_sync == 1:
-            return finite
-        overflowed = tf.cast(tf.logical_not(finite), tf.float32)
-        overflowed_replicas = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, overflowed)
-        return tf.equal(overflowed_replicas, 0.0)
+        if replica_context is not None and replica_context.num_replicas_in_sync > 1:
+            overflowed = tf.cast(tf.logical_not(finite), tf.float32)
+            overflowed_replicas = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, overflowed)
+            finite = tf.equal(overflowed_replicas, 0.0)
+        # Keras calls this once per apply, and skips the step exactly when it returns False.
+        self.skipped_in_a_row.assign(tf.where(finite, tf.constant(0, tf.int64), self.skipped_in_a_row + 1))
+        return finite
+
+
+def skip_limit(optimizer: keras.optimizers.LossScaleOptimizer) -> int:
+    """Steps a dynamic loss scale may skip in a row before a run stops (2^15 initial scale: 32).
+
+    Each skip halves the scale, so halvings(initial scale -> below 1) skips in a row from the
+    initial scale reach 1/2, where the run stops anyway (a step overflowed at scale 1: float16
+    overflows unscaled). The margin, SKIP_MARGIN more, covers a scale that has grown since the
+    start (x2 every `dynamic_growth_steps` finite steps) and then falls fast when the gradients
+    jump: a streak this long means the gradients grew 2^limit-fold in as many steps.
+    """
+    halvings = max(0, math.ceil(math.log2(max(float(optimizer.initial_scale), 1.0)))) + 1
+    return halvings + SKIP_MARGIN
 
 
 def parse_loss_scale(loss_scale: str) -> str | float | None:

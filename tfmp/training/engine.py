@@ -25,6 +25,12 @@ does what Keras' own `train_step` does, so the numbers are Keras' numbers:
 - loss scaling is `optimizer.scale_loss` then `optimizer.apply` (which unscales); with
   `precision.LossScaleOptimizer` an overflow on any replica skips the step on all replicas; a
   fixed `loss_scale_factor` needs `compile(auto_scale_loss=False)` (Keras' wrapper clears it);
+- non-finite numbers never reach the weights: every replica's verdict (loss and gradients
+  finite; and only for a step that is not, whether its features, labels or sample weights are)
+  is all-reduced, one 4-float collective per step with more than one replica. A step that stops
+  the run (non-finite without a dynamic loss scaler, or non-finite inputs) is not applied (a loss
+  scaler skips it itself), and neither is any later step of the same host call, so the model
+  keeps the weights of the step before; `StepResult.halted_at` names that step for the loop;
 - `steps_per_execution` steps run in one `tf.function` call (a `tf.range` loop);
 - worker-local variables (a pipeline on every worker: MultiWorkerMirroredStrategy with one
   replica per worker, the model and optimizer made outside its scope so each stage's variables
@@ -48,9 +54,13 @@ from tfmp import precision
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 
-# Status slots, summed over replicas and steps: steps with non-finite loss or gradients, and
-# steps run while a worker asked to stop.
-_SLOTS = 2
+# Status slots, summed over replicas and steps: replica-steps with non-finite loss or gradients;
+# steps run while a worker asked to stop; 1 + the host call's step that stopped training (every
+# replica adds the same, as the verdict is all-reduced); then, for that step, whether the
+# features, the labels, the sample weights were not finite (every replica alike).
+_NONFINITE, _STOPS, _HALTED_AT = 0, 1, 2
+_INPUTS = ("features", "labels", "sample weights")
+_SLOTS = 3 + len(_INPUTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +68,11 @@ class StepResult:
     """What one host call of training reports."""
 
     metrics: dict  # the model's metrics since the last reset, over all replicas and workers
-    nonfinite_steps: float  # replica-steps whose loss or gradients were not finite
+    nonfinite_steps: float  # steps whose loss or gradients were not finite on some replica
     stop_requests: float  # > 0 when any worker asked to stop (preemption); not a count
+    halted_at: int = 0  # 1 + the call's step that stopped training (not applied, nor any after); 0: none
+    nonfinite_inputs: tuple = ()  # which of "features", "labels", "sample weights" of that step were not finite
+    skipped_in_a_row: int | None = None  # dynamic loss scaling: steps skipped in a row up to now
 
 
 def _unpack(data):
@@ -108,6 +121,8 @@ class Engine:
         if optimizer is not None:
             precision.check_compiled_with(model, optimizer)
         self.optimizer = optimizer or model.optimizer
+        # A dynamic loss scaler skips a non-finite step itself; any other optimizer would apply it.
+        self.loss_scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         self.xla = xla
         self.worker_local = _worker_local_variables(strategy, model, self.optimizer)
         with contextlib.nullcontext() if self.worker_local else strategy.scope():
@@ -165,44 +180,84 @@ class Engine:
             scaled_loss = self.optimizer.scale_loss(loss)
         return y_pred, loss, tape.gradient(scaled_loss, self.model.trainable_variables)
 
-    def _train_replica_step(self, data, stop_requested, apply: bool = True):
+    def _train_replica_step(self, data, stop_requested, offset, apply: bool = True):
         """One replica's step; with `apply=False` (worker-local variables) it returns the
-        gradients summed over every replica, and so over workers, instead of applying them."""
+        gradients summed over every replica, and so over workers, instead of applying them, and
+        whether to apply them."""
         x, y, sample_weight, _ = _unpack(data)
         y_pred, loss, gradients = self._gradients(x, y, sample_weight)
         if not apply:
             gradients = _all_reduce_by_device(tf.distribute.get_replica_context(), gradients)
         # The loss alone can look finite when the gradients are not (cross-entropy clips NaN
-        # probabilities), so the stop/skip statistics check the gradients themselves (summed
-        # ones when not applied here: non-finite on any worker is non-finite on every worker).
-        finite = tf.reduce_all(
-            [tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None]
-            + [tf.math.is_finite(tf.cast(loss, tf.float32))]
+        # probabilities), so the verdict checks the gradients themselves.
+        finite = _all_finite([g for g in gradients if g is not None] + [loss])
+        # Only a step that is not finite pays for a look at its inputs (a tf.cond: nothing else).
+        inputs = tf.cond(
+            finite,
+            lambda: tf.zeros([len(_INPUTS)]),
+            lambda: _nonfinite_inputs((x, y, sample_weight)),
+        )
+        verdict = _agree(tf.concat([[1.0 - tf.cast(finite, tf.float32)], inputs], axis=0))
+        nonfinite, bad_inputs = verdict[0] > 0, verdict[1:] > 0
+        halted = self._status[_HALTED_AT] > 0  # this replica's own slot, the same on all replicas
+        stops = tf.reduce_any(bad_inputs) if self.loss_scaling else nonfinite
+        # The step that stops the run and every later one are not applied, except that a loss
+        # scaler sees the stopping step itself: it skips it (all-reduced) and halves the scale.
+        go = tf.logical_not(halted) if self.loss_scaling else tf.logical_not(halted | stops)
+        first_stop = tf.logical_not(halted) & stops
+        self._track(loss, _rows(x), finite & tf.logical_not(halted | stops), x, y, y_pred, sample_weight)
+        self._status.assign_add(
+            tf.concat(
+                [
+                    [tf.where(nonfinite & tf.logical_not(halted), 1.0, 0.0)],
+                    [tf.cast(stop_requested, tf.float32)],
+                    [tf.where(first_stop, tf.cast(offset, tf.float32) + 1.0, 0.0)],
+                    tf.where(first_stop & bad_inputs, 1.0, 0.0),
+                ],
+                axis=0,
+            )
         )
         if apply:
-            self.optimizer.apply(gradients, self.model.trainable_variables)
-        self._track(loss, _rows(x), finite, x, y, y_pred, sample_weight)
-        self._status.assign_add(tf.stack([tf.where(finite, 0.0, 1.0), tf.cast(stop_requested, tf.float32)]))
-        return None if apply else {str(position): g for position, g in enumerate(gradients) if g is not None}
+            self._apply_if(go, gradients)
+            return None
+        return {str(position): g for position, g in enumerate(gradients) if g is not None}, go
 
-    def _worker_local_step(self, data, stop_requested):
+    def _apply_if(self, go, gradients):
+        """`optimizer.apply(gradients)` on every replica when `go` (the same on all of them).
+
+        A branch that all-reduces (the optimizer's update) cannot sit in a replica context's
+        tf.cond, so the condition is taken in the cross-replica context, as Keras' own
+        LossScaleOptimizer does.
+        """
+        variables = self.model.trainable_variables
+
+        def cross_replica(strategy, go, gradients):
+            def update():
+                strategy.run(self.optimizer.apply, args=(gradients, variables))
+
+            tf.cond(strategy.experimental_local_results(go)[0], update, lambda: None)
+
+        tf.distribute.get_replica_context().merge_call(cross_replica, args=(go, gradients))
+
+    def _worker_local_step(self, data, stop_requested, offset):
         # In the cross-replica context of no strategy: the optimizer (made outside the scope)
         # updates this worker's own variables once, with the sums every worker got alike.
         step = functools.partial(self._train_replica_step, apply=False)
-        reduced = self.strategy.run(step, args=(data, stop_requested))
+        reduced, go = self.strategy.run(step, args=(data, stop_requested, offset))
         variables = self.model.trainable_variables
         gradients = [None] * len(variables)
         for position, gradient in reduced.items():
             gradients[int(position)] = self.strategy.experimental_local_results(gradient)[0]
-        self.optimizer.apply(gradients, variables)
+        go = self.strategy.experimental_local_results(go)[0]
+        tf.cond(go, lambda: self.optimizer.apply(gradients, variables), lambda: None)
 
     def _train_loop(self, iterator, num_steps, stop_requested):
         # The stop request rides on a SUM-on-read variable: no extra collective per step.
-        for _ in tf.range(num_steps):
+        for offset in tf.range(num_steps):
             if self.worker_local:
-                self._worker_local_step(next(iterator), stop_requested)
+                self._worker_local_step(next(iterator), stop_requested, offset)
             else:
-                self.strategy.run(self._train_replica_step, args=(next(iterator), stop_requested))
+                self.strategy.run(self._train_replica_step, args=(next(iterator), stop_requested, offset))
 
     def _eval_replica_step(self, data):
         x, y, sample_weight, valid = _unpack(data)
@@ -250,11 +305,13 @@ class Engine:
         # Every metric variable and the status are SUM-on-read: under MultiWorkerMirroredStrategy
         # each eager read is its own all-reduce round trip between workers (~60 ms each on
         # localhost, measured); read in one traced call, they go out together.
-        return self.model.get_metrics_result(), self._status.read_value()
+        skipped = getattr(self.optimizer, "skipped_in_a_row", None)
+        skipped = tf.constant(-1, tf.int64) if skipped is None else tf.identity(skipped)
+        return self.model.get_metrics_result(), self._status.read_value(), skipped
 
-    def _read(self) -> tuple[dict, np.ndarray]:
-        metrics, status = self._read_fn()
-        return {name: float(value) for name, value in metrics.items()}, status.numpy()
+    def _read(self) -> tuple[dict, np.ndarray, int]:
+        metrics, status, skipped = self._read_fn()
+        return {name: float(value) for name, value in metrics.items()}, status.numpy(), int(skipped)
 
     def _results(self) -> dict:
         return self._read()[0]
@@ -272,9 +329,17 @@ class Engine:
         self._train_fn(
             iterator, tf.constant(num_steps, tf.int64), tf.constant(float(stop_requested), tf.float32)
         )
-        metrics, (nonfinite, stops) = self._read()
+        metrics, status, skipped = self._read()
         self._status.assign(tf.zeros([_SLOTS], tf.float32))
-        return StepResult(metrics, float(nonfinite), float(stops))
+        replicas = self.strategy.num_replicas_in_sync  # every replica added the agreed verdict
+        return StepResult(
+            metrics,
+            float(status[_NONFINITE]) / replicas,
+            float(status[_STOPS]),
+            halted_at=round(float(status[_HALTED_AT]) / replicas),
+            nonfinite_inputs=tuple(name for name, flag in zip(_INPUTS, status[_HALTED_AT + 1 :]) if flag),
+            skipped_in_a_row=skipped if skipped >= 0 else None,
+        )
 
     def infer(self, iterator, num_steps: int) -> dict:
         """Forward passes only (inference throughput): `num_steps` batches in one call."""
@@ -307,6 +372,36 @@ class Engine:
             lambda *parts: np.concatenate([p.numpy() for p in parts]), *batches
         )
         return concatenated
+
+
+def _all_finite(tensors) -> tf.Tensor:
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(tensor)) for tensor in tensors])
+
+
+def _nonfinite_inputs(inputs) -> tf.Tensor:
+    """1.0 per part of (features, labels, sample weights) holding a NaN or inf, else 0.0."""
+    flags = []
+    for part in inputs:
+        tensors = [_dense_values(tensor) for tensor in tf.nest.flatten(part) if tensor is not None]
+        floating = [tensor for tensor in tensors if tensor.dtype.is_floating]
+        flags.append(tf.where(_all_finite(floating), 0.0, 1.0) if floating else tf.constant(0.0))
+    return tf.stack(flags)
+
+
+def _dense_values(tensor):
+    if isinstance(tensor, tf.RaggedTensor):
+        return tensor.flat_values
+    if isinstance(tensor, tf.SparseTensor):
+        return tensor.values
+    return tensor
+
+
+def _agree(verdict: tf.Tensor) -> tf.Tensor:
+    """This replica's verdict summed over every replica and worker (one small all-reduce)."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return verdict
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, verdict)
 
 
 def _worker_local_variables(strategy, model: keras.Model, optimizer) -> bool:

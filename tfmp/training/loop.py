@@ -32,7 +32,8 @@ from absl import logging
 
 from tfmp import precision
 from tfmp.distribute import strategies as distribute
-from tfmp.errors import EXIT_PREEMPTED, Preempted, TrainingDiverged
+from tfmp.errors import EXIT_PREEMPTED, NonFiniteInput, Preempted, TrainingDiverged
+from tfmp.precision import loss_scaling
 from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.engine import Engine
 from tfmp.training.reporting import Reporter
@@ -201,25 +202,53 @@ class Loop:
             self._steady_examples += num_steps * self.settings.global_batch_size
             self._steady_seconds += seconds
         self._first_call = False
-        if result.nonfinite_steps and not self.dynamic_scaling:
-            compute = ", ".join(sorted(precision.model_compute_dtypes(self.engine.model)))
-            mode = precision.loss_scale_mode(self.optimizer)
-            # A fixed scale too large for float16's gradients overflows however small the rate.
-            fix = (
-                "lower the loss scale or use --loss_scale=dynamic"
-                if mode.startswith("fixed")
-                else "lower the learning rate"
-            )
-            raise TrainingDiverged(
-                f"loss became non-finite at step {step} computing in {compute} (loss scale: "
-                f"{mode}); training stopped, {self._kept()}{fix}"
-            )
-        if self.dynamic_scaling and precision.current_loss_scale(self.optimizer) < 1.0:
-            raise TrainingDiverged(
-                f"loss scale fell below 1 at step {step}: gradients are non-finite "
-                f"even unscaled; training stopped, {self._kept()}lower the learning rate"
-            )
+        if result.halted_at:
+            self._stop_on_nonfinite(step - num_steps + result.halted_at, result.nonfinite_inputs)
+        if self.dynamic_scaling:
+            self._check_loss_scale(step, result.skipped_in_a_row)
         return result.metrics, seconds
+
+    def _stop_on_nonfinite(self, bad_step: int, nonfinite_inputs: tuple) -> None:
+        """Raises for the step whose numbers were not finite; the engine applied neither it nor
+        any later step, so the model holds the weights of the step before."""
+        if nonfinite_inputs:
+            raise NonFiniteInput(
+                f"the training data's {' and '.join(nonfinite_inputs)} hold NaN or inf at step {bad_step}: "
+                f"training stopped, the model keeps its weights of step {bad_step - 1}; {self._kept()}"
+                "fix or drop the non-finite values (e.g. dataset.filter with tf.math.is_finite) and run again"
+            )
+        compute = ", ".join(sorted(precision.model_compute_dtypes(self.engine.model)))
+        mode = precision.loss_scale_mode(self.optimizer)
+        # A fixed scale too large for float16's gradients overflows however small the rate.
+        fix = (
+            "lower the loss scale or use --loss_scale=dynamic"
+            if mode.startswith("fixed")
+            else "lower the learning rate"
+        )
+        raise TrainingDiverged(
+            f"loss became non-finite at step {bad_step} computing in {compute} (loss scale: {mode}; the "
+            f"inputs were finite); training stopped, the model keeps its weights of step {bad_step - 1}; "
+            f"{self._kept()}{fix}"
+        )
+
+    def _check_loss_scale(self, step: int, skipped_in_a_row: int | None) -> None:
+        """Stops a run whose dynamic loss scale fell below 1 (its floor: the gradients overflow
+        float16 even unscaled) or that skipped `skip_limit` steps in a row. Non-finite inputs
+        stopped the run at their step already, so these steps had finite inputs."""
+        scale = precision.current_loss_scale(self.optimizer)
+        limit = loss_scaling.skip_limit(self.optimizer)
+        if scale >= 1.0 and (skipped_in_a_row is None or skipped_in_a_row < limit):
+            return
+        streak = "" if skipped_in_a_row is None else f"{skipped_in_a_row} step(s) in a row "
+        if scale < 1.0:
+            why = "below 1, its floor): the model overflows float16 even at loss scale 1"
+        else:  # a scale that had grown far: every one tried since overflowed
+            why = f"the limit is {limit} in a row): the gradients overflow float16 at every loss scale tried"
+        raise TrainingDiverged(
+            f"float16 loss scaling skipped {streak}up to step {step} for non-finite gradients from finite inputs "
+            f"(loss scale now {scale:g}, {why}; training stopped, {self._kept()}keep the overflowing layers in "
+            "float32 (tfmp.precision.diagnose names them), train in mixed_bfloat16, or lower the learning rate"
+        )
 
     def _kept(self) -> str:
         """Which checkpoint a diverged run keeps (none may exist yet)."""
