@@ -9,8 +9,17 @@ GPUs (CUDA_VISIBLE_DEVICES) or CPU cores (affinity), a private TMPDIR, and prefi
 with `[worker i]`. When a worker fails, the others are stopped and the launcher exits with the
 failing worker's code - or, with `--max_restarts=K`, restarts the whole group, which resumes
 from the last checkpoint in the shared --model_dir (torchrun semantics: a failure costs only
-the progress since that checkpoint). SIGTERM/SIGINT to the launcher is passed to the workers,
-which save a checkpoint together and exit with EXIT_PREEMPTED.
+the progress since that checkpoint). SIGTERM/SIGINT/SIGHUP to the launcher is passed to the
+workers as SIGTERM, on which they save a checkpoint together and exit with EXIT_PREEMPTED.
+
+Exit status: 0; a worker's own status when it printed its own line (2 usage, 3 diverged, 4
+write failed, 5 peer lost, 42 preempted, 130 interrupted); 128 + N, with one `error:` or
+`interrupted:` line, when a worker died by signal N (137: SIGKILL, out of memory) or the
+launcher's stop signal N ended workers before they could save (143: SIGTERM, 130: ^C).
+
+The local group runs in a network namespace of its own, loopback only (`--network`,
+tfmp/distribute/netns.py): TensorFlow's gRPC servers have no authentication and bind every
+interface, so on this host's network anyone who reaches their ports could run code as you.
 """
 
 from __future__ import annotations
@@ -24,12 +33,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 
+from tfmp.distribute import netns, scratch, workers
 from tfmp.distribute.cluster import parse_tf_config
-from tfmp.errors import EXIT_PREEMPTED, EXIT_USAGE, UsageError
+from tfmp.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE, UsageError
 
 STARTUP_TIMEOUT_ENV = "TFMP_STARTUP_TIMEOUT"
 # One name per launched group (kept across restarts), so the workers of an app started without
@@ -39,6 +47,7 @@ RUN_NAME_ENV = "TFMP_RUN_NAME"
 # command alone would not start its peers.
 LAUNCH_COMMAND_ENV = "TFMP_LAUNCH_COMMAND"
 PREEMPTION_GRACE_SECONDS = 120  # for the other workers to finish the preemption checkpoint
+NETWORKS = ("auto", "private", "host")
 
 
 def free_ports(count: int) -> list[int]:
@@ -90,50 +99,10 @@ def device_shares(workers: int, devices_per_worker: int | None) -> list[dict]:
     ]
 
 
-class _Worker:
-    def __init__(self, index: int, command: list[str], env: dict, cpus: list[int] | None):
-        self.index = index
-
-        def pin():  # runs in the child before exec
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
-        self.process = subprocess.Popen(
-            command,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            preexec_fn=pin if cpus else None,
-        )
-        self.printer = threading.Thread(target=self._print, daemon=True)
-        self.printer.start()
-
-    def _print(self):
-        for line in self.process.stdout:
-            sys.stdout.write(f"[worker {self.index}] {line}")
-            sys.stdout.flush()
-
-    def poll(self):
-        return self.process.poll()
-
-
-def _wait(workers: list[_Worker], seconds: float) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline and any(worker.poll() is None for worker in workers):
-        time.sleep(0.1)
-
-
-def _stop(workers: list[_Worker]) -> None:
-    # SIGKILL, not SIGTERM: SIGTERM means "checkpoint with your peers", and a peer is gone.
-    # Nothing is lost beyond the last checkpoint; TMPDIR cleanup is the launcher's.
-    for worker in workers:
-        if worker.poll() is None:
-            worker.process.kill()
-    for worker in workers:
-        worker.process.wait()
-        worker.printer.join(timeout=5)
+def _root_cause(failed: list[tuple[int, int]]) -> tuple[int, int]:
+    """The failure to report among workers seen failed in the same poll: a worker that lost its
+    peer (exit 5) only reports a consequence of the peer's failure."""
+    return next((item for item in failed if item[1] != EXIT_PEER_LOST), failed[0])
 
 
 def run_local_group(
@@ -141,29 +110,30 @@ def run_local_group(
     num_workers: int,
     devices_per_worker: int | None = None,
     startup_timeout: int | None = None,
-) -> tuple[int, bool]:
+    stop: workers.StopSignals | None = None,
+    exposed: str | None = None,
+) -> tuple[int | None, int | None]:
     """Runs one attempt of `num_workers` local workers.
 
-    Returns (exit code, whether the launcher itself was told to stop).
+    Returns (the index of the worker whose exit status it is, or None; that status): 0 when all
+    succeeded, None when a stop signal came before all had started. `stop` holds the signals
+    the launcher got; `exposed` says why the workers run on this host's network (None: they
+    run in a private one), for a warning naming their ports.
     """
+    stop = stop or workers.StopSignals()
     shares = device_shares(num_workers, devices_per_worker)
-    addresses = [f"localhost:{port}" for port in free_ports(num_workers)]
-    scratch = tempfile.mkdtemp(prefix="tfmp-launch-")
-    workers, forwarded = [], []
-
-    def forward(signum, _frame):  # preemption notice: every worker checkpoints, then exits
-        forwarded.append(signum)
-        for worker in workers:
-            if worker.poll() is None:
-                worker.process.send_signal(signal.SIGTERM)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    ports = free_ports(num_workers)
+    addresses = [f"localhost:{port}" for port in ports]
+    folder = scratch.create()
+    group: list[workers.Worker] = []
     try:
         for index, share in enumerate(shares):
+            if stop.received:
+                break
             env = dict(
                 os.environ,
                 TF_CONFIG=tf_config(addresses, index),
-                TMPDIR=os.path.join(scratch, f"worker{index}"),
+                TMPDIR=os.path.join(folder, f"worker{index}"),
                 PYTHONUNBUFFERED="1",
             )
             os.makedirs(env["TMPDIR"])
@@ -171,27 +141,57 @@ def run_local_group(
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, share["gpus"]))
             if startup_timeout:
                 env[STARTUP_TIMEOUT_ENV] = str(startup_timeout)
-            workers.append(_Worker(index, command, env, share.get("cpus")))
-        print(f"[launch] {num_workers} workers on {', '.join(addresses)}", flush=True)
-        while True:
-            codes = [worker.poll() for worker in workers]
-            if all(code is not None for code in codes):
-                return next((code for code in codes if code), 0), bool(forwarded)
-            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                index, code = failed[0]
-                if code == EXIT_PREEMPTED or forwarded:
-                    # A preemption: the other workers are saving the same checkpoint; let them.
-                    _wait(workers, PREEMPTION_GRACE_SECONDS)
-                    return code, bool(forwarded)
-                print(f"[launch] worker {index} exited with {code}; stopping the others", flush=True)
-                return code, False
-            time.sleep(0.1)
+            group.append(workers.Worker(index, command, env, share.get("cpus")))
+            stop.processes.append(group[-1].process)
+        if len(group) < num_workers:
+            return None, None  # told to stop while starting them: nothing trained yet
+        where = (
+            "a private network: unreachable from other hosts" if exposed is None else "this host's network"
+        )
+        print(f"[launch] {len(group)} workers on {', '.join(addresses)} ({where})", flush=True)
+        if exposed is not None:
+            print(
+                f"warning: the workers' ports {', '.join(map(str, ports))} are open on every interface of "
+                "this host, and TensorFlow's gRPC has no authentication: whoever reaches them runs "
+                f"code as you ({exposed}); see docs/security.md",
+                file=sys.stderr,
+                flush=True,
+            )
+        return _watch(group, stop)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _stop(workers)
-        shutil.rmtree(scratch, ignore_errors=True)
+        workers.stop(group)
+        scratch.remove(folder)
+
+
+def _watch(group: list[workers.Worker], stop: workers.StopSignals) -> tuple[int | None, int]:
+    """Polls the group until it is done; see `run_local_group` for what it returns."""
+    while True:
+        stop.forward()
+        codes = [worker.poll() for worker in group]
+        for worker in group:
+            worker.release_held()
+        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+        if stop.received and (failed or all(code is not None for code in codes)):
+            # Told to stop: the workers are saving the same checkpoint, or dying before their
+            # first step; let them all end, then report a worker's own line over a death.
+            workers.wait(group, PREEMPTION_GRACE_SECONDS)
+            codes = [worker.poll() for worker in group]
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            failed.sort(key=lambda item: item[1] < 0)
+            return failed[0] if failed else (None, 0)
+        if failed:
+            index, code = _root_cause(failed)
+            if code == EXIT_PREEMPTED:  # a worker's own preemption notice: its peers save too
+                workers.wait(group, PREEMPTION_GRACE_SECONDS)
+                return index, code
+            for worker in group:
+                if worker.index != index:
+                    worker.silence()  # what they say now is about the lost peer
+            print(f"[launch] worker {index} {workers.describe(code)}; stopping the others", flush=True)
+            return index, code
+        if all(code is not None for code in codes):
+            return None, 0
+        time.sleep(0.1)
 
 
 def launch_local(
@@ -200,15 +200,50 @@ def launch_local(
     max_restarts: int = 0,
     devices_per_worker: int | None = None,
     startup_timeout: int | None = None,
+    exposed: str | None = None,
 ) -> int:
-    """Runs the group, restarting it up to `max_restarts` times after a failure."""
+    """Runs the group, restarting it up to `max_restarts` times after a failure; returns the
+    exit status for the launcher: 0, a worker's own code (it printed its line), 128 + N after
+    a death by signal N or a stop signal N to the launcher (printing one line)."""
     os.environ.setdefault(RUN_NAME_ENV, time.strftime("%Y%m%d-%H%M%S"))
-    for attempt in range(max_restarts + 1):
-        code, stopped = run_local_group(command, num_workers, devices_per_worker, startup_timeout)
-        if code == 0 or stopped or attempt == max_restarts:
-            return code
-        print(f"[launch] restart {attempt + 1}/{max_restarts}: resuming from the last checkpoint", flush=True)
-    return code
+    stop = workers.StopSignals()
+    stop.install()
+    index, code = None, None
+    try:
+        for attempt in range(max_restarts + 1):
+            if stop.received:
+                break
+            index, code = run_local_group(
+                command, num_workers, devices_per_worker, startup_timeout, stop, exposed
+            )
+            if code == 0 or stop.received or attempt == max_restarts:
+                break
+            print(
+                f"[launch] restart {attempt + 1}/{max_restarts}: resuming from the last checkpoint",
+                flush=True,
+            )
+    finally:
+        stop.restore()
+    if stop.received and (code is None or code < 0):
+        # No worker said what happened: killed by the SIGTERM before its handler was set.
+        print(
+            f"interrupted: {stop.name} stopped the launcher before the workers could save a checkpoint; "
+            f"the last checkpoint in the run's model_dir is kept; {_resume_how()}",
+            file=sys.stderr,
+        )
+        return 128 + stop.received[0]
+    if code < 0:
+        print(
+            f"error: worker {index} was {workers.describe(code)} (out of memory? see `dmesg`); the other "
+            f"workers were stopped; the last checkpoint in the run's model_dir is kept; {_resume_how()}",
+            file=sys.stderr,
+        )
+    return workers.exit_status(code)
+
+
+def _resume_how() -> str:
+    command = os.environ.get(LAUNCH_COMMAND_ENV)
+    return f"resume with: {command}" if command else "run the same command again to resume"
 
 
 def host_tf_config(hosts: str, task_index: int) -> str:
@@ -245,7 +280,7 @@ def _check_options(options: argparse.Namespace, command: list[str]) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> _Parser:
     parser = _Parser(
         prog="python -m tfmp.launch",
         description=__doc__.split("\n")[0],
@@ -267,6 +302,66 @@ def main(argv: list[str] | None = None) -> int:
         default=120,
         help="seconds a worker waits for its peers before it gives up",
     )
+    parser.add_argument(
+        "--network",
+        choices=NETWORKS,
+        default="auto",
+        help="--workers only: `private` runs the workers in a network of their own (loopback only, "
+        "unreachable from other hosts, no internet either), `host` on this host's network; "
+        "`auto` (default): private where the OS allows it, else host with a warning",
+    )
+    return parser
+
+
+def _network(choice: str) -> str | None:
+    """Enters a private network for a local group when asked and possible; returns None if it
+    did, else why the workers are exposed."""
+    if choice == "host":
+        return "--network=host"
+    reason = netns.isolate()
+    if reason and choice == "private":
+        raise UsageError(
+            f"--network=private: cannot give the workers a network of their own ({reason}); run as "
+            "root, allow unprivileged user namespaces, or use --network=host (see docs/security.md)"
+        )
+    return reason
+
+
+def _run_one(command: list[str], env: dict) -> int:
+    """This host's one worker of a multi-host job: its exit status, stop signals passed on."""
+    stop = workers.StopSignals()
+    stop.install()
+    try:
+        process = subprocess.Popen(command, env=env)
+        stop.processes.append(process)
+        while process.poll() is None:
+            stop.forward()
+            time.sleep(0.1)
+    finally:
+        stop.restore()
+    if process.returncode < 0:
+        cause = f"{stop.name} stopped the launcher" if stop.received else "the worker was"
+        print(
+            f"{'interrupted' if stop.received else 'error'}: {cause} {workers.describe(process.returncode)} "
+            f"before it could save a checkpoint; the last checkpoint is kept; {_resume_how()}",
+            file=sys.stderr,
+        )
+        return 128 + stop.received[0] if stop.received else workers.exit_status(process.returncode)
+    return process.returncode
+
+
+class _Interrupted(Exception):
+    """A stop signal before the launcher started any worker."""
+
+
+def _interrupt(signum, _frame):
+    raise _Interrupted(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
+    parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
         parser.error("give the worker command after --, e.g. -- python -m apps.mnist")
@@ -286,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
                 options.max_restarts,
                 options.devices_per_worker,
                 options.startup_timeout,
+                exposed=_network(options.network),
+            )
+        if options.network == "private":
+            raise UsageError(
+                "--network=private is for --workers groups on one host; a multi-host job's workers "
+                "must reach each other: admit only them with a firewall (see docs/security.md)"
             )
         env = dict(os.environ)
         if options.hosts:
@@ -298,10 +399,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         parse_tf_config(env["TF_CONFIG"])
         env[STARTUP_TIMEOUT_ENV] = str(options.startup_timeout)
-        return subprocess.run(command, env=env).returncode
+        return _run_one(command, env)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except (KeyboardInterrupt, _Interrupted) as interrupted:
+        name = str(interrupted) or "SIGINT"
+        print(f"interrupted: {name} before any worker started; nothing ran", file=sys.stderr)
+        return 128 + signal.Signals[name]
 
 
 if __name__ == "__main__":

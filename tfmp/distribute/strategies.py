@@ -19,6 +19,7 @@ import gc
 import itertools
 import math
 import os
+import re
 import time
 
 import tensorflow as tf
@@ -261,6 +262,38 @@ def global_sum(value):
     if context is None or context.num_replicas_in_sync == 1:
         return value
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+# What a collective raises when a peer of a multi-worker run stops answering mid-run: gRPC's
+# UNAVAILABLE ("Connection reset by peer", "Socket closed"), or the abort it causes elsewhere.
+PEER_FAILURES = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.CancelledError,
+    tf.errors.AbortedError,
+)
+_TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
+_CAUSE = re.compile(r"aborted by: ([^\n]+)")
+
+
+def lost_peer(error: Exception, strategy: tf.distribute.Strategy) -> str | None:
+    """Which peer `error` says stopped answering, e.g. "worker 1 (localhost:41749) stopped
+    answering (recvmsg:Connection reset by peer)"; None when `error` is no lost peer of a
+    multi-worker `strategy` (a bug, then: keep its traceback)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if not isinstance(error, PEER_FAILURES) or resolver is None:
+        return None
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return None
+    cluster, own = resolver.cluster_spec().as_dict(), (resolver.task_type, resolver.task_id)
+    message = str(getattr(error, "message", error))
+    peers = [(job, int(index)) for job, index in _TASK.findall(message) if job in cluster]
+    peers = [peer for peer in peers if peer != own and peer[1] < len(cluster[peer[0]])]
+    who = f"{peers[0][0]} {peers[0][1]} ({cluster[peers[0][0]][peers[0][1]]})" if peers else "a peer worker"
+    if "heartbeat" in message:
+        return f"{who} stopped answering (no heartbeats: the process crashed or was killed)"
+    cause = _CAUSE.search(message)
+    return f"{who} stopped answering" + (f" ({cause.group(1).strip().rstrip(':')})" if cause else "")
 
 
 _barriers = itertools.count()
