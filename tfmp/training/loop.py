@@ -32,7 +32,7 @@ from absl import logging
 
 from tfmp import precision
 from tfmp.distribute import strategies as distribute
-from tfmp.errors import EXIT_PREEMPTED, NonFiniteInput, Preempted, TrainingDiverged
+from tfmp.errors import EXIT_PREEMPTED, NonFiniteInput, PeerLost, Preempted, TrainingDiverged
 from tfmp.precision import loss_scaling
 from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.engine import Engine
@@ -127,6 +127,11 @@ class Loop:
                 step, last_eval = self._epoch(step, preemption)
             if self.evaluate is not None and last_eval is None:  # resumed a finished run
                 last_eval = self._evaluate(step)
+        except distribute.PEER_FAILURES as error:
+            peer = distribute.lost_peer(error, self.engine.strategy)
+            if peer is None:
+                raise
+            raise PeerLost(f"{peer}; training stopped, {self._resume_clause()}") from None
         finally:
             preemption.restore()
         self.callbacks.on_train_end()
