@@ -26,6 +26,7 @@ import warnings
 from absl import app, flags
 from absl import logging as absl_logging
 
+from tfmp import write_faults
 from tfmp.errors import (
     EXIT_DIVERGED,
     EXIT_PEER_LOST,
@@ -187,5 +188,13 @@ def run(main, positional_arguments: bool = False) -> None:
             # before it started or after it ended, with no step to lose.
             print("interrupted: stopped before training started or after it ended", file=sys.stderr)
             sys.exit(EXIT_INTERRUPTED)
+        except Exception as error:
+            # A full disk, a read-only file system, ... naming a file, in an app that did not
+            # say what it was writing (e.g. apps.export): still one line. Anything else is a bug.
+            line = write_faults.describe(error)
+            if line is None:
+                raise
+            print(f"error: {line}, then run the same command again", file=sys.stderr)
+            sys.exit(EXIT_WRITE_FAILED)
 
     app.run(guarded, flags_parser=_parse_flags)

@@ -7,6 +7,7 @@ A run directory (`--model_dir`, default `runs/<model>-<dataset>-<time>`) holds:
     metrics.jsonl      one JSON object per log point: step, split, loss, accuracy, lr, ...
     checkpoints/       tf.train checkpoints (model, optimizer, loss scale, step, global batch)
     model.keras        the trained model, saved by the chief at the end
+    run.lock           held (flock) by the run writing here; names its host and PID (see `lock`)
     export/<precision>/   what `apps.export` writes (see `tfmp.serving.export`)
     precision_report.json what `--diagnose_precision` measured (see `tfmp.precision.doctor`)
 
@@ -19,10 +20,15 @@ This module imports nothing heavy, so the launcher and `apps.predict` can read a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import fcntl
 import json
 import os
+import shutil
+import socket
 import tempfile
+import time
 import zipfile
 
 from tfmp.errors import UsageError
@@ -35,6 +41,8 @@ MODEL_FILE = "model.keras"
 EXPORT_DIR = "export"
 EXPORT_METADATA_FILE = "export.json"  # inside each export/<precision>/ directory
 PRECISION_REPORT_FILE = "precision_report.json"
+LOCK_FILE = "run.lock"
+TEMPORARY_PREFIX = ".tmp-"  # atomic_path's temporary siblings: .tmp-<pid>-<name>
 
 
 def writable_dir(path: str, flag: str = "--model_dir") -> str:
@@ -51,6 +59,7 @@ def writable_dir(path: str, flag: str = "--model_dir") -> str:
         raise UsageError(f"{flag}={path} is a file, not a directory; name a directory (new or existing)")
     ancestor = resolved
     while not os.path.exists(ancestor):
+        _refuse_broken_link(ancestor, path, flag)
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise UsageError(f"{flag}={path}: {ancestor} is a file, not a directory; name another path")
@@ -64,6 +73,25 @@ def writable_dir(path: str, flag: str = "--model_dir") -> str:
             f"{flag}={path}: cannot write in {ancestor} ({reason}); name a writable directory"
         ) from None
     return resolved
+
+
+def _refuse_broken_link(candidate: str, path: str, flag: str) -> None:
+    """A UsageError if `candidate` (which does not exist) is a symlink: a dangling one names a
+    missing target, a looping one none; either way os.makedirs could not make the directory."""
+    if not os.path.islink(candidate):
+        return
+    try:
+        os.stat(candidate)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UsageError(
+                f"{flag}={path}: {candidate} is a symlink loop; remove it or name another directory"
+            ) from None
+    target = os.path.join(os.path.dirname(candidate), os.readlink(candidate))
+    raise UsageError(
+        f"{flag}={path}: {candidate} is a symlink to {target}, which does not exist; "
+        "create the target directory or name another path"
+    )
 
 
 @contextlib.contextmanager
@@ -106,6 +134,104 @@ def _fsync_directory(directory: str) -> None:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
+
+
+@dataclasses.dataclass
+class RunLock:
+    """The lock a run holds on its directory (see `lock`); `release()` ends it."""
+
+    path: str
+    descriptor: int
+    made: list[str]  # the directories `lock` created, deepest first
+
+    def release(self) -> None:
+        """Unlocks; a directory `lock` made is removed again if the run wrote nothing else in it."""
+        if self.descriptor < 0:
+            return
+        if self.made and os.listdir(self.made[0]) == [LOCK_FILE]:
+            os.remove(self.path)  # still locked: a run that opened it meanwhile sees another file
+            for directory in self.made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+        os.close(self.descriptor)
+        self.descriptor = -1
+
+
+def lock(model_dir: str, shown_dir: str, flag: str = "--model_dir") -> RunLock:
+    """Makes `model_dir` (absolute) if needed and locks it for this process: one writer per run.
+
+    `flock` on `model_dir/run.lock`, which then holds this process's host, PID and start time;
+    the OS releases it when the process ends however it ends (kill -9 included), so a stale
+    file never blocks. Another run holding it is a UsageError naming its host and PID.
+    `shown_dir` is the directory as the user spelt it, for the message.
+    """
+    made, ancestor = [], model_dir
+    while not os.path.isdir(ancestor):
+        made.append(ancestor)
+        ancestor = os.path.dirname(ancestor)
+    while True:
+        os.makedirs(model_dir, exist_ok=True)
+        path = os.path.join(model_dir, LOCK_FILE)
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 512, 0).decode(errors="replace").strip()
+            os.close(descriptor)
+            raise UsageError(
+                f"{flag}={shown_dir} is in use by another run "
+                f"({holder or 'it has not written its host and PID yet'}); "
+                "wait for it to end or stop it, or use another directory"
+            ) from None
+        if os.path.exists(path) and os.path.samestat(os.stat(path), os.fstat(descriptor)):
+            break
+        os.close(descriptor)  # locked a file its holder removed on release: lock the new one
+    held = RunLock(path, descriptor, made)
+    try:
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        holder = f"host {socket.gethostname()}, PID {os.getpid()}, since {started}\n".encode()
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, holder, 0)
+    except BaseException:
+        held.release()
+        raise
+    return held
+
+
+def remove_leftovers(model_dir: str) -> list[str]:
+    """Removes what killed or failed writers left in a run directory; returns the paths removed.
+
+    `.tmp-<pid>-<name>` siblings (see `atomic_path`) of a process no longer alive, in the run
+    directory and its checkpoints/, and TensorFlow's `checkpoints/ckpt-N_temp/` folders (a save
+    cut short). Only the run holding the lock calls it: no other process writes checkpoints here.
+    """
+    removed = []
+    for directory in (model_dir, os.path.join(model_dir, CHECKPOINT_DIR)):
+        names = os.listdir(directory) if os.path.isdir(directory) else []
+        for name in names:
+            path = os.path.join(directory, name)
+            if name.startswith(TEMPORARY_PREFIX) and not _writer_alive(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                removed.append(path)
+            elif directory != model_dir and name.startswith("ckpt-") and name.endswith("_temp"):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _writer_alive(temporary_name: str) -> bool:
+    """Whether the process named by `.tmp-<pid>-...` still runs on this host (and is not this one)."""
+    pid = temporary_name[len(TEMPORARY_PREFIX) :].split("-", 1)[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def is_run_dir(path: str) -> bool:

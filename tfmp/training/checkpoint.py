@@ -17,6 +17,11 @@ named in a warning and the `ckpt-N` files on disk are tried instead, newest firs
 file is kept as `checkpoint.damaged` when the next save writes a new one.
 Every worker must take part in a save under MultiWorkerMirroredStrategy, so non-chief workers
 save into a private temporary directory that `close()` removes.
+A save that fails for a full disk, a read-only file system, a denied permission or a file-size
+limit raises `tfmp.errors.WriteFailed` naming the step and the file; TensorFlow writes a save's
+files into `ckpt-N_temp/` and renames them only once all are written, so the older checkpoints
+and the state file are whole, and the temporary folder is removed at once (and by the next
+start, `run_dir.remove_leftovers`, after a kill).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
-from tfmp import run_dir
+from tfmp import run_dir, write_faults
 from tfmp.errors import UsageError
 
 SUBDIR = run_dir.CHECKPOINT_DIR
@@ -160,7 +165,12 @@ class Checkpoints:
     def save(self, step: int) -> str:
         self.step.assign(step)
         self.batch.assign(self.global_batch_size)
-        path = self.manager.save(checkpoint_number=step)
+        try:
+            with write_faults.guarded(f"saving the checkpoint of step {step}", self.directory):
+                path = self.manager.save(checkpoint_number=step)
+        except BaseException:
+            shutil.rmtree(os.path.join(self.directory, f"ckpt-{step}_temp"), ignore_errors=True)
+            raise
         self.saved_step = step  # only now: the state file names it once its files are written
         return path
 

@@ -24,7 +24,10 @@ Mixed precision: a model that computes in float16 trains with tfmp's replica-saf
 `precision.LossScaleOptimizer` (added, or swapped in for Keras' own; said once).
 `model_dir` adds what the apps have: checkpoints and exact resume (step, optimizer and loss-scale
 state), a checkpoint on SIGTERM (raises `tfmp.errors.Preempted`), chief-only writes,
-`metrics.jsonl`, TensorBoard scalars and the run card.
+`metrics.jsonl`, TensorBoard scalars and the run card, one writer per directory (the chief
+locks it; another fit or app on it is a `UsageError` naming the holder's host and PID), and a
+write that fails (full disk, read-only, permission, file-size limit) raises
+`tfmp.errors.WriteFailed` naming the file, the fix and the checkpoint a rerun resumes from.
 
 Validation comes first, writing after: a mistake is one `UsageError` line and `model_dir` is
 left untouched. Checked up front: the model is compiled and built in the strategy's scope, the
@@ -36,15 +39,16 @@ batch), and `model_dir` is a directory this process can write.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import precision, run_dir
+from tfmp import precision, run_dir, write_faults
 from tfmp.distribute import strategies as distribute
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, WriteFailed
 from tfmp.precision import fused_norm
 from tfmp.training import fit_data
 from tfmp.training.checkpoint import Checkpoints
@@ -138,8 +142,9 @@ def fit(
     Raises `tfmp.errors.UsageError` (one line, nothing written) for an uncompiled model, a batch
     not divisible by the replicas, training or validation data that do not fit the model, labels
     the loss cannot take, a model built outside the strategy's scope, or a `model_dir` that is
-    a file or not writable; `TrainingDiverged` when the loss becomes non-finite without dynamic
-    loss scaling; `Preempted` after saving a checkpoint on SIGTERM (with `model_dir`).
+    a file or not writable, or that another run holds; `TrainingDiverged` when the loss becomes
+    non-finite without dynamic loss scaling; `Preempted` after saving a checkpoint on SIGTERM (with
+    `model_dir`); `WriteFailed` when a write into `model_dir` fails.
     """
     if epochs < 1 or (steps_per_epoch is not None and steps_per_epoch < 1) or steps_per_execution < 1:
         raise UsageError(
@@ -158,75 +163,96 @@ def fit(
     fit_data.check_data(model, strategy, train, validation)
     strategy, engine, note = prepare(model, xla)
     topology = distribute.describe(strategy)
-
-    if model_dir and topology.is_chief:
-        os.makedirs(model_dir, exist_ok=True)
     checkpoints = None
-    if model_dir:
-        task_id = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0
-        checkpoints = Checkpoints(
-            model_dir,
-            topology.is_chief,
-            task_id,
-            keep=keep_checkpoints,
-            global_batch_size=train.global_batch_size,
-            model=model,
-            optimizer=engine.optimizer,
-        )
-    start_step = checkpoints.restore() if checkpoints else 0
-    reporter = Reporter(model_dir if topology.is_chief else None, verbose=bool(verbose) and topology.is_chief)
-    reporter.run_card(
-        run_card(
-            model,
-            engine,
-            topology,
-            train.global_batch_size,
-            steps_per_epoch,
-            epochs,
-            start_step,
-            xla,
-            note,
-            model_dir,
-        )
-    )
-
-    def data_for_epoch(epoch, steps_done):
-        if train.infinite:  # one endless stream: position it once
-            steps_done, epoch = epoch * steps_per_epoch + steps_done, 0
-        return iter(strategy.experimental_distribute_dataset(train.dataset(epoch, steps_done)))
-
-    def evaluate():
-        data = validation.dataset(0)
-        data = data.take(validation_steps) if validation_steps else data
-        return engine.evaluate(strategy.experimental_distribute_dataset(data))
-
-    settings = LoopSettings(
-        total_steps=epochs * steps_per_epoch,
-        steps_per_epoch=steps_per_epoch,
-        global_batch_size=train.global_batch_size,
-        steps_per_execution=steps_per_execution,
-        checkpoint_every=checkpoint_every,
-        log_every=log_every,
-    )
-    loop = Loop(
-        engine,
-        _infinite_once(data_for_epoch, train.infinite),
-        settings,
-        reporter=reporter,
-        checkpoints=checkpoints,
-        evaluate=evaluate if validation else None,
-        callbacks=callbacks,
-    )
     try:
-        result = loop.run(start_step)
-        del loop, data_for_epoch, evaluate
-        distribute.release_input_pipelines()
-    finally:
-        reporter.close()
-        if checkpoints:
-            checkpoints.close()
+        with contextlib.ExitStack() as stack:  # closes what was opened, then unlocks
+            if model_dir and topology.is_chief:
+                stack.enter_context(_lock(model_dir))
+            if model_dir:
+                task_id = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0
+                checkpoints = Checkpoints(
+                    model_dir,
+                    topology.is_chief,
+                    task_id,
+                    keep=keep_checkpoints,
+                    global_batch_size=train.global_batch_size,
+                    model=model,
+                    optimizer=engine.optimizer,
+                )
+                stack.callback(checkpoints.close)
+            start_step = checkpoints.restore() if checkpoints else 0
+            reporter = Reporter(
+                model_dir if topology.is_chief else None, verbose=bool(verbose) and topology.is_chief
+            )
+            stack.callback(reporter.close, failing=True)  # on an error; on success closed below, raising
+            reporter.run_card(
+                run_card(
+                    model,
+                    engine,
+                    topology,
+                    train.global_batch_size,
+                    steps_per_epoch,
+                    epochs,
+                    start_step,
+                    xla,
+                    note,
+                    model_dir,
+                )
+            )
+
+            def data_for_epoch(epoch, steps_done):
+                if train.infinite:  # one endless stream: position it once
+                    steps_done, epoch = epoch * steps_per_epoch + steps_done, 0
+                return iter(strategy.experimental_distribute_dataset(train.dataset(epoch, steps_done)))
+
+            def evaluate():
+                data = validation.dataset(0)
+                data = data.take(validation_steps) if validation_steps else data
+                return engine.evaluate(strategy.experimental_distribute_dataset(data))
+
+            settings = LoopSettings(
+                total_steps=epochs * steps_per_epoch,
+                steps_per_epoch=steps_per_epoch,
+                global_batch_size=train.global_batch_size,
+                steps_per_execution=steps_per_execution,
+                checkpoint_every=checkpoint_every,
+                log_every=log_every,
+            )
+            loop = Loop(
+                engine,
+                _infinite_once(data_for_epoch, train.infinite),
+                settings,
+                reporter=reporter,
+                checkpoints=checkpoints,
+                evaluate=evaluate if validation else None,
+                callbacks=callbacks,
+            )
+            result = loop.run(start_step)
+            del loop, data_for_epoch, evaluate
+            distribute.release_input_pipelines()
+            reporter.close()
+    except WriteFailed as error:
+        saved_step, location = (checkpoints.saved_step, checkpoints.location) if checkpoints else (None, None)
+        rerun = "tfmp.fit again with the same model_dir"
+        raise write_faults.with_resume(error, saved_step, location, rerun) from error.__cause__
     distribute.barrier(strategy)  # last: after it a worker only returns and exits
     return result.history
+
+
+@contextlib.contextmanager
+def _lock(model_dir: str):
+    """Holds `model_dir` for this fit (see `run_dir.lock`), after removing what a cut-short write left."""
+    try:
+        with write_faults.guarded("starting the fit", model_dir):
+            held = run_dir.lock(model_dir, model_dir, "model_dir")
+    except WriteFailed as error:
+        raise write_faults.then_rerun(error, "tfmp.fit again") from error.__cause__
+    try:
+        for path in run_dir.remove_leftovers(model_dir):
+            logging.info("removed %s, left by a write that was cut short", path)
+        yield held
+    finally:
+        held.release()
 
 
 def _infinite_once(data_for_epoch, infinite: bool):

@@ -6,10 +6,16 @@ keeps quiet. Files in the model dir:
     run_card.json      every setting that decides speed and numerics (printed at start too)
     metrics.jsonl      one JSON object per log point: step, split, loss, accuracy, lr, ...
     tensorboard/{train,eval}/   the same scalars for `tensorboard --logdir`
+
+The run card is written whole (renamed into place); metrics.jsonl is opened at the first record
+(a run that fails at its start leaves none) and a last line cut short by a fault is dropped before
+appending. A write that fails for a full disk, a read-only file system, a denied permission or a
+file-size limit raises `tfmp.errors.WriteFailed` naming the file (see `tfmp.write_faults`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,7 +25,8 @@ import keras
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from tfmp import run_dir
+from tfmp import run_dir, write_faults
+from tfmp.errors import WriteFailed
 
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
@@ -41,15 +48,21 @@ class Reporter:
         self._writers = {}
         self._metrics_file = None
         self._progress = None
-        if model_dir:
-            self._metrics_file = open(os.path.join(model_dir, run_dir.METRICS_FILE), "a", encoding="utf-8")
 
     def run_card(self, card: dict) -> None:
         if self.verbose:
             print(format_run_card(card), flush=True)
         if self.model_dir:
-            with open(os.path.join(self.model_dir, run_dir.RUN_CARD_FILE), "w", encoding="utf-8") as file:
-                json.dump(card, file, indent=2, default=str)
+            path = os.path.join(self.model_dir, run_dir.RUN_CARD_FILE)
+            with write_faults.guarded("writing the run card", path):
+                run_dir.write_text_atomic(path, json.dumps(card, indent=2, default=str))
+
+    def _metrics(self):
+        if self._metrics_file is None:
+            path = os.path.join(self.model_dir, run_dir.METRICS_FILE)
+            _drop_cut_line(path)
+            self._metrics_file = open(path, "a", encoding="utf-8")
+        return self._metrics_file
 
     def _writer(self, split: str):
         if split not in self._writers:
@@ -64,13 +77,15 @@ class Reporter:
             return
         record = {"step": step, "split": split, "time": round(time.time(), 3)}
         record.update({k: float(v) for k, v in values.items()})
-        self._metrics_file.write(json.dumps(record) + "\n")
-        self._metrics_file.flush()
-        with self._writer(split).as_default(step=step):
-            for name, value in values.items():
-                # tf.summary.scalar lives in the tensorboard package, which TF 2.21 no longer
-                # installs; the raw write op plus the scalars-plugin tag is all it does.
-                tf.summary.write(name, tf.constant(float(value), tf.float32), metadata=_SCALAR_METADATA)
+        with write_faults.guarded(f"logging step {step}", os.path.join(self.model_dir, run_dir.METRICS_FILE)):
+            self._metrics().write(json.dumps(record) + "\n")
+            self._metrics().flush()
+        with write_faults.guarded(f"logging step {step}", os.path.join(self.model_dir, "tensorboard", split)):
+            with self._writer(split).as_default(step=step):
+                for name, value in values.items():
+                    # tf.summary.scalar lives in the tensorboard package, which TF 2.21 no longer
+                    # installs; the raw write op plus the scalars-plugin tag is all it does.
+                    tf.summary.write(name, tf.constant(float(value), tf.float32), metadata=_SCALAR_METADATA)
 
     def start_epoch(self, epoch: int, epochs: int, steps: int) -> None:
         if self.verbose:
@@ -91,9 +106,33 @@ class Reporter:
         if self.verbose:
             print(text, flush=True)
 
-    def close(self) -> None:
-        for writer in self._writers.values():
-            writer.flush()
-            writer.close()
-        if self._metrics_file:
-            self._metrics_file.close()
+    def close(self, failing: bool = False) -> None:
+        """Flushes and closes the files; `failing=True` (the run is ending on an error already)
+        drops a second write fault instead of raising it over the first."""
+        try:
+            with write_faults.guarded("closing the run's logs", self.model_dir or "."):
+                for writer in self._writers.values():
+                    writer.flush()
+                    writer.close()
+                if self._metrics_file:
+                    self._metrics_file.close()
+        except WriteFailed:
+            if not failing:
+                raise
+        finally:
+            self._writers, self._metrics_file = {}, None
+
+
+def _drop_cut_line(path: str) -> None:
+    """Truncates `path` after its last newline: a record a fault cut short would run into the
+    next run's first one."""
+    with contextlib.suppress(FileNotFoundError), open(path, "rb+") as file:
+        size = file.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        file.seek(max(0, size - 65536))
+        tail = file.read()
+        if tail.endswith(b"\n"):
+            return
+        cut = tail.rfind(b"\n")
+        file.truncate(size - len(tail) + cut + 1 if cut >= 0 else max(0, size - len(tail)))

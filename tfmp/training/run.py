@@ -8,7 +8,10 @@
 
 Everything a user can get wrong is checked by `make_plan` before the model dir is created, so a
 bad command leaves nothing behind; so is a resume whose flags differ from the run's flags.txt
-in a way its checkpoint cannot take (`check_same_run`).
+in a way its checkpoint cannot take (`check_same_run`), and a directory another run is writing
+(the chief locks it for the run's life: `run_dir.lock`). Every file is renamed into place whole;
+a full disk, a read-only file system, a denied permission or a file-size limit ends the run with
+`WriteFailed` naming the file, the fix and the checkpoint the same command resumes from.
 """
 
 from __future__ import annotations
@@ -19,15 +22,13 @@ import os
 
 import keras
 import numpy as np
-import tensorflow as tf
 from absl import logging
 
-from tfmp import optim, precision, pruning, run_dir
+from tfmp import optim, precision, pruning, run_dir, write_faults
 from tfmp.distribute import strategies as distribute
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, WriteFailed
 from tfmp.pipeline import plan as pipeline
-from tfmp.precision import fused_norm
-from tfmp.training import checkpoint
+from tfmp.training import checkpoint, run_card
 from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.config import TrainConfig
 from tfmp.training.engine import Engine
@@ -46,9 +47,10 @@ def train_and_evaluate(
     registry, the dataset, compiling the model, the input pipelines and the eval metrics.
     `resolved_flags` (a flagfile's text) is saved as the run's flags.txt, and a resume is
     checked against the saved one; `resume_command` is the command line the messages on
-    stopping (SIGTERM, ^C) name. Raises UsageError for input a user must fix (before anything
-    is written), TrainingDiverged when the loss becomes non-finite without a loss scaler to
-    skip the step, and Preempted after saving a checkpoint on SIGTERM or SIGINT.
+    stopping (SIGTERM, ^C, a failed write) name. Raises UsageError for input a user must fix
+    (before anything is written) and for a model dir another run holds, TrainingDiverged when
+    the loss becomes non-finite without a loss scaler to skip the step, Preempted after saving
+    a checkpoint on SIGTERM or SIGINT, and WriteFailed when a write into the run fails.
     """
     plan = make_plan(config, task)
     # One absolute path from here on: `~` expanded (from a flagfile no shell expands it), and
@@ -56,10 +58,25 @@ def train_and_evaluate(
     shown_dir = config.checkpointing.model_dir
     if shown_dir is None:
         shown_dir = default_model_dir(config)
-    if plan.topology.is_chief:
-        model_dir = run_dir.writable_dir(shown_dir, "--model_dir")
-    else:
+    if not plan.topology.is_chief:
         model_dir = os.path.abspath(os.path.expanduser(shown_dir))
+        return _locked_run(config, task, plan, model_dir, shown_dir, resolved_flags, resume_command)
+    model_dir = run_dir.writable_dir(shown_dir, "--model_dir")
+    try:
+        with write_faults.guarded("starting the run", model_dir):
+            held = run_dir.lock(model_dir, shown_dir)
+    except WriteFailed as error:
+        raise write_faults.then_rerun(error, resume_command) from error.__cause__
+    try:
+        for path in run_dir.remove_leftovers(model_dir):
+            logging.info("removed %s, left by a write that was cut short", path)
+        return _locked_run(config, task, plan, model_dir, shown_dir, resolved_flags, resume_command)
+    finally:
+        held.release()
+
+
+def _locked_run(config, task, plan, model_dir, shown_dir, resolved_flags, resume_command) -> dict:
+    """The run once its directory is locked (on the chief): check, build, restore, train."""
     if checkpoint.has_checkpoint(model_dir):
         check_same_run(model_dir, shown_dir, config, resolved_flags)
     if plan.warning:
@@ -67,10 +84,8 @@ def train_and_evaluate(
         if config.verbose and plan.topology.is_chief:
             print(f"WARNING: {plan.warning}", flush=True)
     keras.utils.set_random_seed(config.seed)
-    model, engine, stages, pruner = _build(config, plan, task)
+    built = model, engine, stages, pruner = _build(config, plan, task)
     # Validation is over: from here on the run writes files.
-    if plan.topology.is_chief:
-        os.makedirs(model_dir, exist_ok=True)
     task_id = getattr(getattr(plan.strategy, "cluster_resolver", None), "task_id", 0) or 0
     checkpoints = Checkpoints(
         model_dir,
@@ -84,23 +99,33 @@ def train_and_evaluate(
     )
     try:
         start_step = checkpoints.restore()
-    except UsageError:
+        summary = _train(config, task, plan, built, checkpoints, start_step, resolved_flags, resume_command)
+    except WriteFailed as error:
+        saved_step, location = checkpoints.saved_step, checkpoints.location
+        raise write_faults.with_resume(error, saved_step, location, resume_command) from error.__cause__
+    finally:
         checkpoints.close()
-        raise
-    reporter = Reporter(
-        model_dir if plan.topology.is_chief else None, verbose=config.verbose and plan.topology.is_chief
-    )
-    if resolved_flags and plan.topology.is_chief:
-        with open(os.path.join(model_dir, run_dir.FLAGS_FILE), "w", encoding="utf-8") as file:
-            file.write(resolved_flags)
+    distribute.barrier(plan.strategy)  # last: after it a worker only returns and exits
+    return summary
+
+
+def _train(config, task, plan, built, checkpoints, start_step, resolved_flags, resume_command) -> dict:
+    """Writes the flags and the run card, trains from `start_step`, saves model.keras; the summary."""
+    (model, engine, stages, pruner), model_dir = built, checkpoints.model_dir
+    is_chief = plan.topology.is_chief
+    reporter = Reporter(model_dir if is_chief else None, verbose=config.verbose and is_chief)
     try:
+        if resolved_flags and is_chief:
+            path = os.path.join(model_dir, run_dir.FLAGS_FILE)
+            with write_faults.guarded("writing the run's flags", path):
+                run_dir.write_text_atomic(path, resolved_flags)
         data_for_epoch, evaluate, shard_policies = task.inputs(config, plan, engine, start_step)
-        card = _run_card(config, plan, model, engine, start_step, shard_policies, model_dir, task)
+        card = run_card.describe(config, plan, model, engine, start_step, shard_policies, model_dir, task)
         reporter.run_card(
             {
                 **card,
                 **(pruner.describe() if pruner else {}),
-                **(_pipeline_card(stages, plan.topology.workers) if stages else {}),
+                **(run_card.pipeline_rows(stages, plan.topology.workers) if stages else {}),
             }
         )
         settings = LoopSettings(
@@ -128,13 +153,15 @@ def train_and_evaluate(
         distribute.release_input_pipelines()
         # A pruned model is saved stripped: a plain Keras model with its zeros, no masks.
         saved = pruning.strip(model) if pruner else model
-        if plan.topology.is_chief:
-            saved.save(os.path.join(model_dir, run_dir.MODEL_FILE))
+        if is_chief:
+            path = os.path.join(model_dir, run_dir.MODEL_FILE)
+            with write_faults.guarded("saving the model", path), run_dir.atomic_path(path) as temporary:
+                saved.save(temporary)
         summary = _summary(config, plan, saved, engine, result, model_dir, task, pruner)
-    finally:
-        reporter.close()
-        checkpoints.close()
-    distribute.barrier(plan.strategy)  # last: after it a worker only returns and exits
+    except BaseException:
+        reporter.close(failing=True)
+        raise
+    reporter.close()
     return summary
 
 
@@ -233,14 +260,28 @@ def check_same_run(
     model_dir: str, shown_dir: str, config: TrainConfig, resolved_flags: str | None = None
 ) -> None:
     """A UsageError naming every flag this command changes that a resume of the run in
-    `model_dir` cannot take (see RESUMABLE_CHANGES); nothing if the run saved no flags.txt.
+    `model_dir` (which holds checkpoints) cannot take (see RESUMABLE_CHANGES).
 
     Checked before anything is restored, so the user reads one line instead of TensorFlow's
-    mismatched tensor shapes. `shown_dir` is the directory as the user spelt it.
+    mismatched tensor shapes. `shown_dir` is the directory as the user spelt it. A flags.txt
+    that is empty or unreadable is refused, and so is a missing one when this command has flags
+    to compare (an app's): nothing would tell what the checkpoints were trained with. Only a
+    library call's run, which saves no flags.txt, resumes without one.
     """
-    saved = run_dir.read_flags(model_dir)
+    path = os.path.join(model_dir, run_dir.FLAGS_FILE)
+    try:
+        saved = run_dir.read_flags(model_dir)
+    except (OSError, UnicodeDecodeError):
+        saved = {}
     if not saved:
-        return
+        if not resolved_flags and not os.path.lexists(path):
+            return
+        state = "is missing" if not os.path.lexists(path) else "is empty or unreadable"
+        raise UsageError(
+            f"{os.path.join(shown_dir, run_dir.FLAGS_FILE)} {state}, but {shown_dir} holds checkpoints: "
+            "nothing tells which flags they were trained with; write the run's flags back into it "
+            "(--name=value lines, as `--flagfile=` reads) or use a fresh --model_dir"
+        )
     if resolved_flags:
         lines = (line.strip().partition("=") for line in resolved_flags.splitlines())
         now = {name[2:]: value for name, equals, value in lines if name.startswith("--") and equals}
@@ -282,73 +323,6 @@ def build_model(config: TrainConfig, plan: Plan, task: Task) -> keras.Model:
     if config.precision.fused_norm:  # after the copy above: copies come back unfused
         precision.fuse_normalization(model)
     return model
-
-
-def _normalization_card(model: keras.Model) -> dict:
-    """Which BatchNormalization and GroupNormalization layers run fused (--fused_norm), and why not the rest."""
-    state, unfused = fused_norm.status(model), fused_norm.unfused(model)
-    rows = [f"{len(state.fused)} on the fused kernel"] if state.fused else []
-    if unfused:
-        rows.append(f"{len(unfused)} on Keras' layer (--nofused_norm)")
-    rows += [f"{path} on Keras' layer: {reason}" for path, reason in state.left_alone]
-    return {"normalization": "; ".join(rows)} if rows else {}
-
-
-def _float32_layers_card(config: TrainConfig, model: keras.Model) -> dict:
-    patterns = config.precision.float32_layers
-    if not patterns:
-        return {}
-    names = precision.matching_layers(model, patterns)
-    return {"float32 layers": f"{', '.join(names)} (--float32_layers={','.join(patterns)})"}
-
-
-def _run_card(config, plan, model, engine, start_step, shard_policies, model_dir, task) -> dict:
-    optimizer = engine.optimizer
-    task_rows = task.card(config, plan, model)
-    optimization, distribution = config.optimization, config.distribution
-    return {
-        "model": f"{config.model} ({model.count_params():,} parameters)",
-        "dataset": task_rows.pop("dataset"),
-        "precision": f"{plan.policy} ({plan.policy_reason})",
-        "compute dtype": precision.compute_dtype(plan.policy),
-        "variable dtype": keras.DTypePolicy(plan.policy).variable_dtype,
-        **_float32_layers_card(config, model),
-        **_normalization_card(model),
-        **task_rows,  # head and output dtypes, the loss
-        "loss scale": f"{precision.loss_scale_mode(optimizer)}, now {precision.current_loss_scale(optimizer):g}",
-        "strategy": f"{plan.topology.strategy} ({config.distribution.strategy})",
-        "replicas": f"{plan.topology.replicas} ({plan.topology.workers} worker(s))",
-        "devices": ", ".join(plan.topology.devices),
-        "global batch": config.data.global_batch_size,
-        "per-replica batch": plan.per_replica_batch,
-        "learning rate": f"{plan.learning_rate:g} ({optimization.optimizer}, base {optimization.learning_rate:g}, "
-        f"scaling {optimization.lr_scaling} vs batch {optimization.reference_batch_size}, "
-        f"warmup {optimization.warmup_steps}, decay {optimization.lr_decay})",
-        "steps": f"{plan.total_steps} ({plan.epochs} epoch(s) x {plan.steps_per_epoch}), from step {start_step}",
-        "steps per execution": config.distribution.steps_per_execution,
-        "xla": f"{'on' if plan.use_xla else 'off'} ({plan.xla_reason}; {engine.xla_parts})",
-        "shard policy": ", ".join(sorted(set(shard_policies))) or "n/a",
-        "threads": f"intra-op {distribution.intra_op_threads or 'default'}, "
-        f"inter-op {distribution.inter_op_threads or 'default'}, "
-        f"tf.data {config.data.data_threads or 'default (shared pool)'}",
-        "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
-        "model dir": os.path.abspath(model_dir),
-    }
-
-
-def _pipeline_card(stages, workers: int) -> dict:
-    described = stages.describe()
-    rows = {
-        "pipeline": f"{described['stages']} stages x {described['micro_batches']} micro-batches (GPipe), "
-        f"balanced by {described['balance']}, bubble (K-1)/(M+K-1) = {described['bubble']:.3f}"
-        + (f"; on each of {workers} workers, gradients all-reduced across them (2-D)" if workers > 1 else "")
-    }
-    for index, stage in enumerate(described["per_stage"]):
-        rows[f"stage {index}"] = (
-            f"{stage['device']}: {stage['layers']} ({stage['num_layers']} layers, "
-            f"{stage['parameters']:,} parameters, {stage['flops_per_example']:,} FLOPs/example)"
-        )
-    return rows
 
 
 def _sparsity_scalars(pruner: pruning.Pruner) -> dict:

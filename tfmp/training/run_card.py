@@ -1,0 +1,85 @@
+"""The run card of an app run: every setting that decides speed and numerics, as `key: value` rows.
+
+    card = run_card.describe(config, plan, model, engine, start_step, shard_policies, model_dir, task)
+
+`train_and_evaluate` prints it at the start and writes it as run_card.json (see `Reporter.run_card`),
+with the pruning and pipeline rows (`pipeline_rows`) when the run has them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import tensorflow as tf
+
+from tfmp import precision
+from tfmp.precision import fused_norm
+from tfmp.training.config import TrainConfig
+
+
+def _normalization_card(model: keras.Model) -> dict:
+    """Which BatchNormalization and GroupNormalization layers run fused (--fused_norm), and why not the rest."""
+    state, unfused = fused_norm.status(model), fused_norm.unfused(model)
+    rows = [f"{len(state.fused)} on the fused kernel"] if state.fused else []
+    if unfused:
+        rows.append(f"{len(unfused)} on Keras' layer (--nofused_norm)")
+    rows += [f"{path} on Keras' layer: {reason}" for path, reason in state.left_alone]
+    return {"normalization": "; ".join(rows)} if rows else {}
+
+
+def _float32_layers_card(config: TrainConfig, model: keras.Model) -> dict:
+    patterns = config.precision.float32_layers
+    if not patterns:
+        return {}
+    names = precision.matching_layers(model, patterns)
+    return {"float32 layers": f"{', '.join(names)} (--float32_layers={','.join(patterns)})"}
+
+
+def describe(config, plan, model, engine, start_step, shard_policies, model_dir, task) -> dict:
+    optimizer = engine.optimizer
+    task_rows = task.card(config, plan, model)
+    optimization, distribution = config.optimization, config.distribution
+    return {
+        "model": f"{config.model} ({model.count_params():,} parameters)",
+        "dataset": task_rows.pop("dataset"),
+        "precision": f"{plan.policy} ({plan.policy_reason})",
+        "compute dtype": precision.compute_dtype(plan.policy),
+        "variable dtype": keras.DTypePolicy(plan.policy).variable_dtype,
+        **_float32_layers_card(config, model),
+        **_normalization_card(model),
+        **task_rows,  # head and output dtypes, the loss
+        "loss scale": f"{precision.loss_scale_mode(optimizer)}, now {precision.current_loss_scale(optimizer):g}",
+        "strategy": f"{plan.topology.strategy} ({config.distribution.strategy})",
+        "replicas": f"{plan.topology.replicas} ({plan.topology.workers} worker(s))",
+        "devices": ", ".join(plan.topology.devices),
+        "global batch": config.data.global_batch_size,
+        "per-replica batch": plan.per_replica_batch,
+        "learning rate": f"{plan.learning_rate:g} ({optimization.optimizer}, base {optimization.learning_rate:g}, "
+        f"scaling {optimization.lr_scaling} vs batch {optimization.reference_batch_size}, "
+        f"warmup {optimization.warmup_steps}, decay {optimization.lr_decay})",
+        "steps": f"{plan.total_steps} ({plan.epochs} epoch(s) x {plan.steps_per_epoch}), from step {start_step}",
+        "steps per execution": config.distribution.steps_per_execution,
+        "xla": f"{'on' if plan.use_xla else 'off'} ({plan.xla_reason}; {engine.xla_parts})",
+        "shard policy": ", ".join(sorted(set(shard_policies))) or "n/a",
+        "threads": f"intra-op {distribution.intra_op_threads or 'default'}, "
+        f"inter-op {distribution.inter_op_threads or 'default'}, "
+        f"tf.data {config.data.data_threads or 'default (shared pool)'}",
+        "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
+        "model dir": os.path.abspath(model_dir),
+    }
+
+
+def pipeline_rows(stages, workers: int) -> dict:
+    described = stages.describe()
+    rows = {
+        "pipeline": f"{described['stages']} stages x {described['micro_batches']} micro-batches (GPipe), "
+        f"balanced by {described['balance']}, bubble (K-1)/(M+K-1) = {described['bubble']:.3f}"
+        + (f"; on each of {workers} workers, gradients all-reduced across them (2-D)" if workers > 1 else "")
+    }
+    for index, stage in enumerate(described["per_stage"]):
+        rows[f"stage {index}"] = (
+            f"{stage['device']}: {stage['layers']} ({stage['num_layers']} layers, "
+            f"{stage['parameters']:,} parameters, {stage['flops_per_example']:,} FLOPs/example)"
+        )
+    return rows
