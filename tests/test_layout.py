@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Lowest first: a module may import its own layer and the layers below it, never above.
 LAYERS = [
-    ("tfmp.errors", "tfmp.run_dir", "tfmp.compat"),
+    ("tfmp.errors", "tfmp.run_dir", "tfmp.write_faults", "tfmp.compat"),
     ("tfmp.models",),
     ("tfmp.precision", "tfmp.optim", "tfmp.distribute", "tfmp.input"),
     ("tfmp.pipeline", "tfmp.pruning", "tfmp.training"),
