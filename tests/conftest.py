@@ -160,6 +160,19 @@ def peer_errors_once_formed(launcher_output, markers, workers=2):
     return found
 
 
+def listening_ports(pid="self") -> set[int]:
+    """The TCP ports with a listening socket in process `pid`'s network namespace (what
+    `ss -ltn` lists there), from /proc/<pid>/net/tcp and tcp6: state 0A is LISTEN."""
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as rows:
+            for row in list(rows)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "0A":
+                    ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
 def workers_of(launcher: subprocess.Popen) -> list[int]:
     """The pids of the worker processes a running `python -m tfmp.launch` started."""
     with open(f"/proc/{launcher.pid}/task/{launcher.pid}/children") as children:

@@ -188,6 +188,8 @@ LAUNCH_CASES = [
     (["--hosts=a:1,b:2", "--", "python"], {}, "--hosts needs --task_index"),
     (["--", "python"], {"TF_CONFIG": ""}, "nothing to launch"),
     (["--", "python"], {"TF_CONFIG": '{"cluster": '}, "TF_CONFIG"),
+    (["--workers=2", "--network=open", "--", "python"], {}, "argument --network: invalid choice: 'open'"),
+    (["--hosts=a:1,b:2", "--task_index=0", "--network=private", "--", "python"], {}, "for --workers groups"),
 ]
 
 
