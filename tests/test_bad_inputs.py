@@ -106,6 +106,8 @@ APP_CASES = [
     # Paths and data.
     ("classify", ["--model_dir=FIXTURES/a_file"], {}, "is a file"),
     ("classify", ["--model_dir=/proc/tfmp-run"], {}, "--model_dir=/proc/tfmp-run: cannot write in /proc"),
+    ("classify", ["--model_dir=FIXTURES/dangling/run"], {}, "dangling is a symlink to FIXTURES/no-such-dir"),
+    ("classify", ["--model_dir=FIXTURES/looping"], {}, "FIXTURES/looping is a symlink loop"),
     ("classify", ["--dataset=folder:FIXTURES/missing"], {}, "does not exist"),
     ("classify", ["--dataset=folder:FIXTURES/corrupt_folder"], {}, "bad.jpg"),
     ("classify", ["--dataset=tfds:mnist", "--data_dir=FIXTURES/empty"], {}, "mnist"),
@@ -197,6 +199,8 @@ def _write_fixtures(fixtures) -> None:
     """The files the cases point at: written once, and checked unchanged after every case."""
     fixtures.mkdir(parents=True)
     (fixtures / "a_file").write_text("not a directory, not an image\n")
+    (fixtures / "dangling").symlink_to("no-such-dir")  # as --model_dir: refused before the model is built
+    (fixtures / "looping").symlink_to("looping")
     (fixtures / "empty").mkdir()
     rng = np.random.default_rng(0)
     Image.fromarray((rng.random((16, 16, 3)) * 255).astype(np.uint8)).save(fixtures / "a.png")
@@ -309,6 +313,7 @@ API_CASES = [
     (lambda tmp: optim.schedule(float("inf"), 10), "learning rate inf"),
     (lambda tmp: optim.build("adam", 1e-3, float("nan")), "weight decay nan"),
     (lambda tmp: run_dir.writable_dir(str(tmp / "a_file")), "is a file"),
+    (lambda tmp: run_dir.writable_dir(str(tmp / "dangling")), "dangling is a symlink to"),
     (lambda tmp: run_dir.read_flags(str(tmp), required=True), "is not a tfmp run directory"),
     (lambda tmp: run_dir.check_keras_file(str(tmp / "a_file")), "is not a complete .keras file"),
     (lambda tmp: tfmp.fit(_tiny_model(), _tiny_data([0, 1]), model_dir=str(tmp / "a_file")), "a_file"),
@@ -320,8 +325,9 @@ API_CASES = [
 @pytest.mark.parametrize("case", range(len(API_CASES)))
 def test_api_refuses_before_writing(tmp_path, case):
     (tmp_path / "a_file").write_text("x")
+    (tmp_path / "dangling").symlink_to("missing")
     call, message = API_CASES[case]
     with pytest.raises(UsageError) as raised:
         call(tmp_path)
     assert message in str(raised.value) and "\n" not in str(raised.value)
-    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "dangling"]

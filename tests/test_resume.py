@@ -202,6 +202,25 @@ def test_changed_flags_are_refused_naming_each_with_its_saved_value(tmp_path):
         check_same_run(str(tmp_path), "runs/r1", config)
 
 
+@pytest.mark.parametrize("saved", ["", "\x00\xff cut short", None], ids=["empty", "garbage", "missing"])
+def test_a_run_with_checkpoints_but_no_readable_flags_is_refused(tmp_path, saved):
+    """An empty, unreadable or missing flags.txt beside checkpoints tells nothing of what they
+    were trained with: an app's resume (another --dataset, another --seed) is refused, not run."""
+    if saved is not None:
+        (tmp_path / "flags.txt").write_bytes(saved.encode("latin-1"))
+    now = "--model=seed_cnn\n--dataset=digits\n--seed=7\n"
+    state = "is missing" if saved is None else "is empty or unreadable"
+    with pytest.raises(UsageError) as error:
+        check_same_run(str(tmp_path), "runs/r1", TrainConfig(), now)
+    assert str(error.value) == (
+        f"runs/r1/flags.txt {state}, but runs/r1 holds checkpoints: nothing tells which flags they were "
+        "trained with; write the run's flags back into it (--name=value lines, as `--flagfile=` reads) "
+        "or use a fresh --model_dir"
+    )
+    if saved is None:  # a library call's run saves no flags.txt: it resumes without one
+        check_same_run(str(tmp_path), "runs/r1", TrainConfig())
+
+
 def test_resume_command_names_the_default_dir_and_the_launcher(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(LAUNCH_COMMAND_ENV, raising=False)
