@@ -9,6 +9,12 @@ Images are preprocessed as in training (decoded, float32 in [0, 1], resized to t
 size). Each line: {"image": path, "top_k": [{"class": i, "name": ..., "probability": p}, ...]}.
 An unreadable image or model exits 2 with one line, before any prediction is printed.
 
+Untrusted files: a SavedModel is a program that runs with your permissions. It runs only from a
+directory apps.export wrote (its export.json records the SHA-256 of saved_model.pb and it
+matches), with one `note:` line on stderr; any other SavedModel is refused with one `error:`
+line unless --trust_saved_model is given. `.keras` files load in Keras' safe mode. An image
+whose header declares more than --max_image_pixels pixels is refused before it is decoded.
+
 A detector (a run of apps.detect, or its export) prints detections instead and writes
 IMAGE.detections.png with the boxes drawn (next to each image, or in --output_dir):
 
@@ -20,13 +26,15 @@ original image), "class": i, "name": ..., "score": s}, ...]}.
 """
 
 import json
+import sys
 
 from absl import flags
 
 from apps import cli
 from tfmp import run_dir
 from tfmp.errors import UsageError
-from tfmp.serving import predictors
+from tfmp.input import image_files
+from tfmp.serving import predictors, trust
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Run dir, export dir, SavedModel dir, .tflite or .keras file.")
@@ -36,6 +44,16 @@ flags.DEFINE_float("score_threshold", 0.3, "Detectors: lowest score printed and 
 flags.DEFINE_integer("max_detections", 100, "Detectors (run dirs): detections kept per image after NMS.")
 flags.DEFINE_string(
     "output_dir", None, "Detectors: where the .detections.png files go (default: next to each image)."
+)
+flags.DEFINE_bool(
+    "trust_saved_model",
+    False,
+    "Run a SavedModel that apps.export did not write (or whose graph changed since): it is a program.",
+)
+flags.DEFINE_integer(
+    "max_image_pixels",
+    image_files.MAX_IMAGE_PIXELS,
+    "Refuse images whose header declares more pixels (decompression bombs); 0: no limit.",
 )
 
 
@@ -55,13 +73,36 @@ def main(argv):
         )
     if not 0 <= FLAGS.score_threshold < 1:
         raise UsageError(f"--score_threshold={FLAGS.score_threshold} must be a score in [0, 1), e.g. 0.3")
+    if FLAGS.max_image_pixels < 0:
+        raise UsageError(
+            f"--max_image_pixels={FLAGS.max_image_pixels} must be 0 (no limit) or a number of pixels, "
+            f"e.g. {image_files.MAX_IMAGE_PIXELS}"
+        )
     if FLAGS.output_dir:
         run_dir.writable_dir(FLAGS.output_dir, "--output_dir")
+    for image in images:  # every header before the model loads: a bomb costs no model load
+        too_large = image_files.oversized(image, FLAGS.max_image_pixels)
+        if too_large:
+            raise UsageError(
+                f"image {image!r} is {too_large}; shrink it, or raise --max_image_pixels (0: no limit)"
+            )
     settings = {
         name: FLAGS[name].value
-        for name in ("top_k", "batch_size", "score_threshold", "max_detections", "output_dir")
+        for name in (
+            "top_k",
+            "batch_size",
+            "score_threshold",
+            "max_detections",
+            "output_dir",
+            "trust_saved_model",
+            "max_image_pixels",
+        )
     }
-    kind = predictors.KINDS[predictors.kind_of(FLAGS.model)]
+    kind = predictors.KINDS[predictors.kind_of(FLAGS.model)]  # a malformed export.json: one line
+    saved_model = predictors.saved_model_dir(FLAGS.model)
+    if saved_model:  # said once, before the graph runs; refused here when untrusted
+        metadata = predictors.saved_model_metadata(saved_model)
+        print(trust.check(saved_model, metadata, FLAGS.trust_saved_model), file=sys.stderr, flush=True)
     for record in kind.predict_files(FLAGS.model, images, settings):
         print(json.dumps(record), flush=True)
 

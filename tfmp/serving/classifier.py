@@ -17,6 +17,7 @@ from absl import logging
 from tfmp import models
 from tfmp.classification import data as classification_data
 from tfmp.errors import UsageError
+from tfmp.input import image_files
 from tfmp.serving import copies, export, predictors
 
 
@@ -103,14 +104,16 @@ def eval_images(metadata: dict, model, options, batches: int, batch_size: int):
 # ----------------------------------------------------------------------------- predicting
 def classify_files(model: str, paths: list[str], settings: dict) -> list[dict]:
     """{"image": path, "top_k": [{"class", "name", "probability"}, ...]} per image file; every
-    file is decoded before anything is predicted. `settings`: top_k, batch_size."""
-    predictor = predictors.load(model)
+    file is decoded before anything is predicted. `settings`: top_k, batch_size,
+    trust_saved_model, max_image_pixels."""
+    predictor = predictors.load(model, settings.get("trust_saved_model", False))
     if isinstance(getattr(getattr(predictor, "model", None), "output", None), dict):
         raise UsageError(
             f"--model={model} is a detector without a run's flags.txt or an export.json; "
             "give its run dir or export it with apps.export"
         )
-    pixels = predictors.read_images(paths, predictor.preprocessing)
+    max_pixels = settings.get("max_image_pixels", image_files.MAX_IMAGE_PIXELS)
+    pixels = predictors.read_images(paths, predictor.preprocessing, max_pixels)
     probabilities = predictor.predict(pixels, batch_size=settings.get("batch_size", 64))
     return [
         {"image": path, "top_k": predictors.top_k(row, settings.get("top_k", 5), predictor.class_names)}

@@ -37,6 +37,7 @@ from absl import logging
 from tfmp.detection import boxes, data, retinanet, visualize
 from tfmp.detection import predict as run_predict
 from tfmp.errors import UsageError
+from tfmp.input import image_files
 from tfmp.serving import copies, export, predictors
 
 RAW_SIGNATURE = "raw_outputs"
@@ -261,12 +262,14 @@ def predict_files(
     output_dir: str | None = None,
     kind: str = "detector",
     find=None,
+    max_pixels: int = image_files.MAX_IMAGE_PIXELS,
 ) -> list[dict]:
     """Detections for image files from an exported detector (any format), as
     `tfmp.detection.predict.predict_files` makes them for a run: one record per image, a PNG
     with the boxes drawn next to each image (or in `output_dir`). `kind`: the export.json
     section with the image size, classes and thresholds; `find(predictor, images)` -> (raw
-    outputs, detections), this module's `detections` by default."""
+    outputs, detections), this module's `detections` by default; `max_pixels`: the largest
+    image decoded (0: no limit)."""
     options = predictor.metadata[kind]
     if not options["score_threshold"] <= score_threshold < 1.0:
         fix = "re-export with a lower --score_threshold"
@@ -277,7 +280,7 @@ def predict_files(
             f"the export kept no lower scores; {fix}"
         )
     class_names = predictor.class_names or [str(i) for i in range(options["num_classes"])]
-    images = [data.read_image(path, options["image_size"]) for path in paths]  # all decode first
+    images = [data.read_image(path, options["image_size"], max_pixels) for path in paths]  # all decode first
     _, found = (find or detections)(predictor, np.stack([image.numpy() for image, _, _ in images]))
     records = []
     for row, (path, (_, scale, original)) in enumerate(zip(paths, images)):
@@ -335,15 +338,22 @@ def detections(
 def predict(model: str, paths: list[str], settings: dict, kind: str = "detector", find=None) -> list[dict]:
     """Detection records for `apps.predict`: a run dir through the detection predict mode (its
     model.keras, in its training precision), an export through its own artifact (the
-    SavedModel's NMS output). `settings`: score_threshold, max_detections, output_dir; `kind`
-    and `find` as for `predict_files` (another detector kind passes its own)."""
+    SavedModel's NMS output). `settings`: score_threshold, max_detections, output_dir,
+    trust_saved_model, max_image_pixels; `kind` and `find` as for `predict_files` (another
+    detector kind passes its own)."""
     score_threshold = settings.get("score_threshold", 0.3)
     if os.path.isdir(model) and predictors.run_kind(model) == kind:
         return run_predict.predict_files(
             model, paths, score_threshold, settings.get("max_detections", 100), settings.get("output_dir")
         )
     return predict_files(
-        predictors.load(model), paths, score_threshold, settings.get("output_dir"), kind, find
+        predictors.load(model, settings.get("trust_saved_model", False)),
+        paths,
+        score_threshold,
+        settings.get("output_dir"),
+        kind,
+        find,
+        settings.get("max_image_pixels", image_files.MAX_IMAGE_PIXELS),
     )
 
 
@@ -369,8 +379,18 @@ export.KINDS["detector"] = export.ExportKind(
     eval_images=eval_images,
     resize=PREPROCESSING,
 )
+# What predicting reads from export.json's "detector" section (`predict_files`, `decode`).
+SECTION = {
+    "score_threshold": "number",
+    "iou_threshold": "number",
+    "max_detections": "count",
+    "image_size": "count",
+    "num_classes": "count",
+    "anchor_levels": "counts",
+}
 predictors.KINDS["detector"] = predictors.PredictionKind(
     trains=lambda name: name in retinanet.DETECTORS,
     class_names=detection_class_names,
     predict_files=predict,
+    section=SECTION,
 )

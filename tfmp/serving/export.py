@@ -20,6 +20,9 @@ What each artifact is:
   float32 weights, every other precision stores float16 weights. Built-in ops only (no Flex),
   float32 input and output.
 * `model.keras` - the inference copy in the requested precision (BatchNorm folded).
+* `export.json` - the report: kind, precisions, preprocessing, class names, the difference
+  table, and `saved_model_sha256`, the SHA-256 of `saved_model/saved_model.pb`: a SavedModel is
+  a program, and `apps.predict` runs one only when this record matches (`tfmp.serving.trust`).
 
 Model kinds: `KINDS` maps a kind ("classifier", "detector", "two_stage_detector", registered by
 `tfmp.serving.classifier`, `.detector` and `.two_stage`) to what is specific to it:
@@ -46,7 +49,7 @@ import tensorflow as tf
 
 from tfmp import run_dir as run_files
 from tfmp.errors import UsageError, unknown
-from tfmp.serving import copies, predictors
+from tfmp.serving import copies, predictors, trust
 
 FORMATS = ("saved_model", "tflite", "keras")
 PRECISIONS = ("float32", "float16", "bfloat16", "mixed")
@@ -238,8 +241,10 @@ def export(
             report[kind] = options
         if KINDS[kind].resize:
             report["preprocessing"]["resize"] = KINDS[kind].resize
-        with open(os.path.join(temporary, run_files.EXPORT_METADATA_FILE), "w", encoding="utf-8") as file:
-            json.dump(report, file, indent=2)
+        if "saved_model" in formats:  # what apps.predict checks before it runs the graph
+            report[trust.RECORD_KEY] = trust.graph_digest(os.path.join(temporary, SAVED_MODEL_DIR))
+        metadata_path = os.path.join(temporary, run_files.EXPORT_METADATA_FILE)
+        run_files.write_text_atomic(metadata_path, json.dumps(report, indent=2))
         _replace_directory(temporary, final_dir)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)

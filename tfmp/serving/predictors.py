@@ -35,7 +35,9 @@ import tensorflow as tf
 from tfmp import precision as _precision  # noqa: F401  registers the loss-scale optimizer a run saves
 from tfmp import run_dir
 from tfmp.errors import UsageError
+from tfmp.input import image_files
 from tfmp.serving import layers as _layers  # noqa: F401  registers FoldedBatchNorm for exported .keras
+from tfmp.serving import trust
 
 IMAGES_INPUT = "images"  # the images' key when a model's inputs are a dict
 
@@ -48,11 +50,14 @@ class PredictionKind:
     `class_names(dataset, image_size, data_dir)`: the dataset's class names (None if unknown).
     `predict_files(model, image_paths, settings)`: one JSON-able record per image, for
     `apps.predict` (`settings`: its flags top_k, batch_size, score_threshold, max_detections,
-    output_dir; each kind reads the ones it uses)."""
+    output_dir, trust_saved_model, max_image_pixels; each kind reads the ones it uses).
+    `section`: what export.json's section named after the kind must hold, {key: "number" |
+    "count" | "counts"} (a number; a positive integer; a list of them), checked on reading."""
 
     trains: Callable[[str | None], bool]
     class_names: Callable[[str, int | None, str | None], list[str] | None]
     predict_files: Callable[[str, list[str], dict], list[dict]]
+    section: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 KINDS: dict[str, PredictionKind] = {}  # filled by the modules that know a kind (tfmp.serving.__init__)
@@ -80,13 +85,21 @@ class Preprocessing:
         return cls(height, width, channels)
 
 
-def read_images(paths, preprocessing: Preprocessing) -> np.ndarray:
-    """Decodes and resizes every file; a file that is missing or not an image is a UsageError
-    (checked for all files before anything is predicted)."""
+def read_images(
+    paths, preprocessing: Preprocessing, max_pixels: int = image_files.MAX_IMAGE_PIXELS
+) -> np.ndarray:
+    """Decodes and resizes every file; a file that is missing or not an image, or whose header
+    declares more than `max_pixels` pixels (0: no limit; refused before it is decoded), is a
+    UsageError (checked for all files before anything is predicted)."""
     images = []
     for path in paths:
         if os.path.isdir(path):
             raise UsageError(f"image {path!r} is a directory; give image files, e.g. {path}/*.png")
+        too_large = image_files.oversized(path, max_pixels)
+        if too_large:
+            raise UsageError(
+                f"image {path!r} is {too_large}; shrink it, or raise --max_image_pixels (0: no limit)"
+            )
         try:
             raw = tf.io.decode_image(
                 tf.io.read_file(path), channels=preprocessing.channels, expand_animations=False
@@ -94,12 +107,8 @@ def read_images(paths, preprocessing: Preprocessing) -> np.ndarray:
         except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError, ValueError) as error:
             reason = "no such file" if isinstance(error, tf.errors.NotFoundError) else "not a decodable image"
             raise UsageError(f"image {path!r}: {reason}; give jpg, png, bmp or gif files") from None
-        image = tf.image.resize(
-            tf.image.convert_image_dtype(raw, tf.float32),
-            (preprocessing.height, preprocessing.width),
-            antialias=True,
-        )
-        images.append(tf.clip_by_value(image, 0.0, 1.0).numpy())
+        # Resized from the decoded integers: a large photo is never held as full-size float32.
+        images.append(image_files.unit_float(raw, (preprocessing.height, preprocessing.width)).numpy())
     return (
         np.stack(images)
         if images
@@ -193,7 +202,8 @@ class KerasPredictor(Predictor):
         if model is None:
             run_dir.check_keras_file(path)
             try:
-                model = keras.saving.load_model(path, compile=False)
+                # Safe mode (Keras' default, spelt out): a Lambda layer's bytecode is refused.
+                model = keras.saving.load_model(path, compile=False, safe_mode=True)
             except Exception as error:  # a corrupt or foreign file: say which, not a traceback
                 raise UsageError(f"cannot load Keras model {path!r}: {str(error).splitlines()[0]}") from None
         self.model = model
@@ -332,26 +342,109 @@ def kind_of(path: str) -> str:
     path = os.path.normpath(os.path.expanduser(path))
     directory = path if os.path.isdir(path) else os.path.dirname(path)
     for folder in (directory, os.path.dirname(directory)):  # an export's SavedModel: its parent
-        metadata = _export_metadata(folder)
+        metadata = export_metadata(folder)
         if metadata is not None:
             return metadata.get("kind", "classifier")
     return run_kind(directory)
 
 
-def _export_metadata(directory: str) -> dict | None:
+MAX_METADATA_BYTES = 64 << 20  # export.json holds names and numbers: ImageNet-21k's names are ~0.5 MB
+_SECTION_CHECKS = {
+    "number": (lambda value: isinstance(value, (int, float)) and not isinstance(value, bool), "a number"),
+    "count": (lambda value: isinstance(value, int) and not isinstance(value, bool) and value > 0, "a count"),
+    "counts": (
+        lambda value: isinstance(value, list) and all(_SECTION_CHECKS["count"][0](item) for item in value),
+        "a list of counts",
+    ),
+}
+
+
+def export_metadata(directory: str) -> dict | None:
+    """`directory`'s export.json (None if it has none), checked to be what apps.export writes: a
+    JSON object, a known "kind" (none: a classifier, as exports before kinds), class names as a
+    list of strings, and the kind's section; anything else is one UsageError naming the file."""
     path = os.path.join(directory, run_dir.EXPORT_METADATA_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as file:
-        return json.load(file)
+    fix = "export the run again with apps.export"
+    try:
+        too_large = os.path.getsize(path) > MAX_METADATA_BYTES
+        if not too_large:
+            with open(path, encoding="utf-8") as file:
+                metadata = json.load(file)
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
+        reason = getattr(error, "strerror", None) or str(error).splitlines()[0] or type(error).__name__
+        raise UsageError(f"{path} is not readable JSON ({reason}); {fix}") from None
+    if too_large:
+        raise UsageError(
+            f"{path} is larger than {MAX_METADATA_BYTES >> 20} MiB, more than any export writes; {fix}"
+        )
+    if not isinstance(metadata, dict):
+        raise UsageError(
+            f"{path} holds a JSON {type(metadata).__name__}, not the object apps.export writes; {fix}"
+        )
+    kind = metadata.get("kind", "classifier")
+    if kind not in KINDS:
+        raise UsageError(
+            f"{path} names kind {kind!r}, which apps.predict does not know ({', '.join(KINDS)}); {fix}"
+        )
+    names = metadata.get("class_names")
+    if names is not None and not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
+        raise UsageError(
+            f"{path}: class_names must be a list of strings, not {json.dumps(names)[:60]}; {fix}"
+        )
+    _check_section(path, metadata, kind, fix)
+    return metadata
 
 
-def load(path: str) -> Predictor:
-    """Loads a run dir, an export dir (`export.json`), a SavedModel dir, a .tflite or a .keras."""
+def _check_section(path: str, metadata: dict, kind: str, fix: str) -> None:
+    """export.json's section of `kind` holds every key its predictor reads, of the right type."""
+    wanted = KINDS[kind].section
+    if not wanted:
+        return
+    section = metadata.get(kind)
+    if not isinstance(section, dict):
+        raise UsageError(f"{path} has no {kind!r} section (an object), which a {kind} export holds; {fix}")
+    for key, expected in wanted.items():
+        accepts, noun = _SECTION_CHECKS[expected]
+        if not accepts(section.get(key)):
+            found = json.dumps(section[key])[:60] if key in section else "missing"
+            raise UsageError(f"{path}: {kind}.{key} must be {noun}, not {found}; {fix}")
+
+
+def saved_model_dir(path: str) -> str | None:
+    """The SavedModel directory `load(path)` would run (a SavedModel dir, or an export dir's
+    saved_model/), or None when it loads a .keras or .tflite."""
+    path = os.path.normpath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, trust.GRAPH_FILE)):
+        return path
+    saved = os.path.join(path, "saved_model")
+    if os.path.exists(saved) and export_metadata(path) is not None:
+        return saved
+    return None
+
+
+def saved_model_metadata(path: str) -> dict | None:
+    """The export.json of the SavedModel dir `path`: its own, or its export dir's (the parent)."""
+    return export_metadata(path) or export_metadata(os.path.dirname(path))
+
+
+def _saved_model(path: str, metadata: dict | None, trust_saved_model: bool) -> SavedModelPredictor:
+    trust.check(path, metadata, trust_saved_model)  # refused before TensorFlow reads the graph
+    return SavedModelPredictor(path, metadata or {})
+
+
+def load(path: str, trust_saved_model: bool = False) -> Predictor:
+    """Loads a run dir, an export dir (`export.json`), a SavedModel dir, a .tflite or a .keras.
+
+    A SavedModel is a program: it is run only when apps.export wrote it (its export.json records
+    its graph's digest, `tfmp.serving.trust`) or `trust_saved_model` is True; else a UsageError."""
     path = os.path.normpath(os.path.expanduser(path))
     if os.path.isfile(path):
         directory = os.path.dirname(path)
-        metadata = _export_metadata(directory)
+        metadata = export_metadata(directory)
         if metadata is None and run_dir.is_run_dir(directory):
             metadata = run_metadata(directory)
         if path.endswith(".tflite"):
@@ -364,16 +457,13 @@ def load(path: str) -> Predictor:
             f"--model={path} does not exist; give a run dir, an export dir, a "
             "SavedModel dir, a .tflite or a .keras file"
         )
-    if os.path.isfile(os.path.join(path, "saved_model.pb")):
-        metadata = _export_metadata(path) or _export_metadata(os.path.dirname(path)) or {}
-        return SavedModelPredictor(path, metadata)
-    metadata = _export_metadata(path)
+    if os.path.isfile(os.path.join(path, trust.GRAPH_FILE)):
+        return _saved_model(path, saved_model_metadata(path), trust_saved_model)
+    metadata = export_metadata(path)
     if metadata is not None:  # an export dir: the SavedModel serves best, then .keras, .tflite
-        for name, predictor in (
-            ("saved_model", SavedModelPredictor),
-            ("model.keras", KerasPredictor),
-            ("model.tflite", TFLitePredictor),
-        ):
+        if os.path.exists(os.path.join(path, "saved_model")):
+            return _saved_model(os.path.join(path, "saved_model"), metadata, trust_saved_model)
+        for name, predictor in (("model.keras", KerasPredictor), ("model.tflite", TFLitePredictor)):
             if os.path.exists(os.path.join(path, name)):
                 return predictor(os.path.join(path, name), metadata)
     if os.path.isfile(os.path.join(path, run_dir.MODEL_FILE)):

@@ -224,4 +224,8 @@ predictors.KINDS[KIND] = predictors.PredictionKind(
     trains=lambda name: name in faster_rcnn.DETECTORS,
     class_names=detector.detection_class_names,
     predict_files=functools.partial(detector.predict, kind=KIND, find=detections),
+    section={
+        key: detector.SECTION[key]
+        for key in ("score_threshold", "max_detections", "image_size", "num_classes")
+    },
 )
