@@ -31,6 +31,12 @@ flags.DEFINE_string("model", "seed_cnn", f"Model builder: {', '.join(MODELS)}.")
 flags.DEFINE_string("dataset", "shapes", "shapes | digits | synthetic | tfds:<name> | folder:<path>.")
 flags.DEFINE_integer("image_size", None, "Resize images to this square size (built-in shapes: any size).")
 flags.DEFINE_string("data_dir", None, "Local TFDS data directory (for tfds:<name>).")
+flags.DEFINE_integer(
+    "max_image_pixels",
+    None,
+    "Refuse folder:/coco: images whose header declares more pixels (decompression bombs), before "
+    "the run starts; default 89478485 (Pillow's), 0: no limit.",
+)
 flags.DEFINE_bool("augment", False, "Random flips and crops on training images.")
 flags.DEFINE_bool("cache", False, "Cache decoded examples in memory after the first epoch.")
 flags.DEFINE_integer("epochs", 3, "Training epochs (ignored when --steps > 0).")

@@ -5,9 +5,11 @@
 
 Writes OUTPUT_DIR/PRECISION/ (OUTPUT_DIR defaults to RUN/export): `saved_model/` (float32 images
 in, float32 probabilities out, computing in PRECISION), `model.tflite` (float16 weights unless
-PRECISION is float32), `model.keras`, and `export.json` (preprocessing, class names and the
+PRECISION is float32), `model.keras`, and `export.json` (preprocessing, class names, the
 table printed at the end: size and max |difference| against the trained Keras model on eval
-batches of the run's dataset). Bad input exits 2 with one line and writes nothing.
+batches of the run's dataset, and `saved_model_sha256`: the SHA-256 of saved_model.pb, which
+apps.predict checks before it runs the SavedModel, a program). Bad input exits 2 with one line
+and writes nothing.
 
 A detector run (apps.detect) exports a SavedModel returning float32 boxes and scores, int32
 classes and valid_detections after NMS (--score_threshold, --max_detections, --iou_threshold),

@@ -73,11 +73,7 @@ def main(argv):
         )
     if not 0 <= FLAGS.score_threshold < 1:
         raise UsageError(f"--score_threshold={FLAGS.score_threshold} must be a score in [0, 1), e.g. 0.3")
-    if FLAGS.max_image_pixels < 0:
-        raise UsageError(
-            f"--max_image_pixels={FLAGS.max_image_pixels} must be 0 (no limit) or a number of pixels, "
-            f"e.g. {image_files.MAX_IMAGE_PIXELS}"
-        )
+    image_files.pixel_limit(FLAGS.max_image_pixels)  # a negative limit: one line
     if FLAGS.output_dir:
         run_dir.writable_dir(FLAGS.output_dir, "--output_dir")
     for image in images:  # every header before the model loads: a bomb costs no model load

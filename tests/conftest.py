@@ -7,10 +7,12 @@ import json
 import math
 import os
 import re
+import struct
 import subprocess
 import sys
 import time
 import types
+import zlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # XLA cells compile the same HLO with LLVM's optimisation passes off: 2.5x faster compiles (the
@@ -189,3 +191,48 @@ def wait_for_log_past(launcher: subprocess.Popen, metrics, step: int, timeout: f
                 return
         time.sleep(0.05)
     pytest.fail(f"training did not log past step {step} (launcher exit {launcher.poll()})")
+
+
+# ----------------------------------------------------------------------------- untrusted files
+def _png_chunk(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+def write_zero_png(path, width: int, height: int, cut: int = 0) -> int:
+    """A valid greyscale PNG of zeros (IHDR, IDAT and every CRC and checksum correct): a
+    decompression bomb, 20000x20000 in 390 kB. One deflate block is compressed and repeated after
+    full flushes (each starts afresh, so the bytes repeat): 0.2 s instead of compressing 400 MB.
+    `cut` bytes are removed from its end (a truncated file). Returns its size in bytes."""
+    row = width + 1  # the filter byte, then one byte per pixel
+    per_block = max(1, (1 << 22) // row)
+    block = bytes(row * per_block)
+    blocks, rest = divmod(height, per_block)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
+    repeated = deflate.compress(block) + deflate.flush(zlib.Z_FULL_FLUSH)
+    tail = deflate.compress(bytes(row * rest)) + deflate.flush()
+    adler = 1
+    for _ in range(blocks):
+        adler = zlib.adler32(block, adler)
+    adler = zlib.adler32(bytes(row * rest), adler)
+    stream = b"\x78\xda" + repeated * blocks + tail + adler.to_bytes(4, "big")
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", stream)
+    png += _png_chunk(b"IEND", b"")
+    png = png[: len(png) - cut]
+    with open(path, "wb") as file:
+        file.write(png)
+    return len(png)
+
+
+def save_spy_saved_model(path, marker, size: int = 8) -> None:
+    """A SavedModel at `path` whose serving_default (float32 `images` [B, size, size, 3] ->
+    `probabilities`) also writes the file `marker`: what any SavedModel's graph may do."""
+
+    class Spy(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, size, size, 3], tf.float32, name="images")])
+        def serve(self, images):
+            tf.io.write_file(str(marker), "this ran with your permissions")
+            return {"probabilities": tf.nn.softmax(tf.reduce_mean(images, axis=[1, 2]))}
+
+    spy = Spy()
+    tf.saved_model.save(spy, str(path), signatures={"serving_default": spy.serve})

@@ -2,8 +2,7 @@
 an export.json can be anything.
 
 Real files throughout: a SavedModel whose serving_default writes a file (run only when trusted),
-a real 20000x20000 PNG of zeros (390 kB; built from one deflate block repeated after full
-flushes, so writing it costs 0.2 s instead of compressing 400 MB), images in every format
+a real 20000x20000 PNG of zeros (390 kB, conftest.write_zero_png), images in every format
 `tf.io.decode_image` reads, and export.json files broken in each way a hand or a disk breaks
 them. The app tests start `apps.predict` in a fresh process (marked slow).
 """
@@ -12,14 +11,12 @@ import hashlib
 import json
 import os
 import shutil
-import struct
-import zlib
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import finish, start_python
+from conftest import finish, save_spy_saved_model, start_python, write_zero_png
 from PIL import Image
 
 from tfmp.classification import data as classification_data
@@ -33,33 +30,6 @@ EPSILON = float(np.finfo(np.float32).eps)
 
 
 # ----------------------------------------------------------------------------- files
-def _chunk(kind: bytes, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
-
-def write_zero_png(path, width: int, height: int, cut: int = 0) -> int:
-    """A valid greyscale PNG of zeros (its IHDR, IDAT and CRCs all correct); `cut` bytes removed
-    from its end (a truncated file). Returns its size in bytes."""
-    row = width + 1  # the filter byte, then one byte per pixel
-    per_block = max(1, (1 << 22) // row)
-    block = bytes(row * per_block)
-    blocks, rest = divmod(height, per_block)
-    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
-    repeated = deflate.compress(block) + deflate.flush(zlib.Z_FULL_FLUSH)  # later blocks: the same bytes
-    tail = deflate.compress(bytes(row * rest)) + deflate.flush()
-    adler = 1
-    for _ in range(blocks):
-        adler = zlib.adler32(block, adler)
-    adler = zlib.adler32(bytes(row * rest), adler)
-    stream = b"\x78\xda" + repeated * blocks + tail + adler.to_bytes(4, "big")
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    png = b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", stream) + _chunk(b"IEND", b"")
-    png = png[: len(png) - cut]
-    with open(path, "wb") as file:
-        file.write(png)
-    return len(png)
-
-
 def _noise(height, width, seed=0):
     return (np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8)
 
@@ -179,19 +149,6 @@ def test_normal_images_decode_to_the_same_pixels_as_before(tmp_path):
 
 
 # ----------------------------------------------------------------------------- SavedModels
-class _Spy(tf.Module):
-    """A SavedModel whose serving_default also writes a file: what any SavedModel may do."""
-
-    def __init__(self, marker: str):
-        super().__init__()
-        self.marker = marker
-
-    @tf.function(input_signature=[tf.TensorSpec([None, SIZE, SIZE, 3], tf.float32, name="images")])
-    def serve(self, images):
-        tf.io.write_file(self.marker, "this ran with your permissions")
-        return {"probabilities": tf.nn.softmax(tf.reduce_mean(images, axis=[1, 2]))}
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """An apps.export-written SavedModel export of a tiny classifier, and a spying SavedModel."""
@@ -202,8 +159,7 @@ def models(tmp_path_factory):
     report = export.export(
         model, str(root / "export"), formats=("saved_model",), reference_images=np.zeros((2, SIZE, SIZE, 3))
     )
-    spy = _Spy(str(root / "spy_ran.txt"))
-    tf.saved_model.save(spy, str(root / "spy"), signatures={"serving_default": spy.serve})
+    save_spy_saved_model(root / "spy", root / "spy_ran.txt", SIZE)
     Image.fromarray(_noise(SIZE, SIZE)).save(root / "a.png")
     return {
         "root": root,

@@ -94,7 +94,7 @@ def describe(
     data_dir: str | None = None,
     *,
     verify: bool = True,
-    max_image_pixels: int = image_files.MAX_IMAGE_PIXELS,
+    max_image_pixels: int | None = image_files.MAX_IMAGE_PIXELS,
 ) -> DatasetInfo:
     """Validates `spec` and returns its shape, classes and split sizes without loading data.
 

@@ -87,7 +87,7 @@ def source(
     data_dir: str | None = None,
     max_boxes: int | None = None,
     verify: bool = False,
-    max_image_pixels: int = image_files.MAX_IMAGE_PIXELS,
+    max_image_pixels: int | None = image_files.MAX_IMAGE_PIXELS,
 ) -> Source:
     """The `Source` of one split of `spec` (validates everything `load` would; `verify`: what
     `describe` checks besides, `max_image_pixels` its limit)."""
@@ -121,7 +121,7 @@ def describe(
     max_boxes: int | None = None,
     *,
     verify: bool = True,
-    max_image_pixels: int = image_files.MAX_IMAGE_PIXELS,
+    max_image_pixels: int | None = image_files.MAX_IMAGE_PIXELS,
 ) -> DetectionInfo:
     """Validates `spec` and returns its image size, classes and split sizes without loading.
 
@@ -217,7 +217,7 @@ def augment_batch(images, boxes, classes, draws, jitter=SCALE_JITTER):
     return images, boxes, classes
 
 
-def read_image(path: str, image_size: int, max_pixels: int = image_files.MAX_IMAGE_PIXELS):
+def read_image(path: str, image_size: int, max_pixels: int | None = image_files.MAX_IMAGE_PIXELS):
     """One image file for prediction: (model input float32 [S, S, 3], scale = original pixels
     per input pixel, original image uint8 [h, w, 3]). Multiply predicted boxes by `scale` to
     draw them on the original image. A file whose header declares more than `max_pixels`

@@ -209,6 +209,19 @@ def declared_size(path: str) -> tuple[int, int, int] | None:
     return declared[:3] if declared else None
 
 
+def pixel_limit(max_pixels: int | None) -> int:
+    """`max_pixels` as a limit: None is `MAX_IMAGE_PIXELS`, 0 no limit; a negative or
+    non-integer value is a UsageError naming --max_image_pixels."""
+    if max_pixels is None:
+        return MAX_IMAGE_PIXELS
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 0:
+        raise UsageError(
+            f"--max_image_pixels={max_pixels} must be 0 (no limit) or a number of pixels, "
+            f"e.g. {MAX_IMAGE_PIXELS} (Pillow's limit, the default)"
+        )
+    return max_pixels
+
+
 def _megabytes(size: int) -> str:
     return f"{size / 1e6:.1f} MB" if size >= 100_000 else f"{size / 1e3:.1f} kB"
 
@@ -249,11 +262,11 @@ def _sniff(path: str, max_pixels: int = 0) -> _Verdict:
     return _Verdict(lacking=missing and f"{kind}: {missing}")
 
 
-def oversized(path: str, max_pixels: int = MAX_IMAGE_PIXELS) -> str | None:
+def oversized(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> str | None:
     """Why `path` is too large to decode ("a 1.1 MB PNG of 20000x20000 = 400,000,000 pixels, more
     than --max_image_pixels=89,478,485"), or None: within the limit, no limit (0), unreadable or
     of a size no header read here gives (the decoder then has the last word)."""
-    verdict = _sniff(path, max_pixels)
+    verdict = _sniff(path, pixel_limit(max_pixels))
     return verdict.why if verdict.oversized else None
 
 
@@ -297,7 +310,7 @@ def _sniff_all(paths, max_pixels: int) -> list[_Verdict]:
 
 def _verdicts(paths: list, threads: int, max_pixels: int) -> list[_Verdict]:
     """A verdict per file of `paths`: sniffed, and the doubtful ones decoded (`find_problems`)."""
-    sniff = functools.partial(_sniff_all, max_pixels=max_pixels)
+    sniff = functools.partial(_sniff_all, max_pixels=pixel_limit(max_pixels))
     chunks = [paths[start : start + _CHUNK] for start in range(0, len(paths), _CHUNK)]
     if len(chunks) <= 1 or threads <= 1:
         sniffed = sniff(paths)
@@ -316,7 +329,7 @@ def _verdicts(paths: list, threads: int, max_pixels: int) -> list[_Verdict]:
 
 
 def find_problems(
-    paths, threads: int = _THREADS, max_pixels: int = MAX_IMAGE_PIXELS
+    paths, threads: int = _THREADS, max_pixels: int | None = MAX_IMAGE_PIXELS
 ) -> list[tuple[str, str]]:
     """[(path, why)] of every file of `paths` that is not a readable image or declares more than
     `max_pixels` pixels (0: no limit), in `paths` order."""
@@ -325,14 +338,16 @@ def find_problems(
     return [(path, verdict.why) for path, verdict in zip(paths, verdicts) if verdict.why]
 
 
-def problem(path: str, max_pixels: int = MAX_IMAGE_PIXELS) -> str | None:
+def problem(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> str | None:
     """Why `path` is not an image `tf.io.decode_image` reads (or one too large to decode), or None
     when it looks whole."""
     found = find_problems([path], max_pixels=max_pixels)
     return found[0][1] if found else None
 
 
-def check(paths, what: str, fix: str = "remove or repair them", max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+def check(
+    paths, what: str, fix: str = "remove or repair them", max_pixels: int | None = MAX_IMAGE_PIXELS
+) -> None:
     """Raises one `UsageError` line naming how many of `paths` are not readable images and the
     first of them, with why; `what` names the dataset (the spec, an annotation file). A file
     declaring more than `max_pixels` pixels (0: no limit) is named first, with its sizes."""

@@ -262,7 +262,7 @@ def predict_files(
     output_dir: str | None = None,
     kind: str = "detector",
     find=None,
-    max_pixels: int = image_files.MAX_IMAGE_PIXELS,
+    max_pixels: int | None = image_files.MAX_IMAGE_PIXELS,
 ) -> list[dict]:
     """Detections for image files from an exported detector (any format), as
     `tfmp.detection.predict.predict_files` makes them for a run: one record per image, a PNG

@@ -86,7 +86,7 @@ class Preprocessing:
 
 
 def read_images(
-    paths, preprocessing: Preprocessing, max_pixels: int = image_files.MAX_IMAGE_PIXELS
+    paths, preprocessing: Preprocessing, max_pixels: int | None = image_files.MAX_IMAGE_PIXELS
 ) -> np.ndarray:
     """Decodes and resizes every file; a file that is missing or not an image, or whose header
     declares more than `max_pixels` pixels (0: no limit; refused before it is decoded), is a

@@ -27,6 +27,9 @@ class DataConfig:
     dataset: str = "shapes"
     image_size: int | None = None
     data_dir: str | None = None
+    # Images declaring more pixels are refused before decoding (tfmp.input.image_files); None:
+    # Pillow's 89,478,485, 0: no limit. None stays out of flags.txt, so older runs resume.
+    max_image_pixels: int | None = None
     augment: bool = False
     cache: bool = False
     global_batch_size: int = 64
