@@ -26,6 +26,10 @@ from tfmp.errors import UsageError
 MANIFEST = os.path.join(ROOT, "configs", "kubeflow_tfjob_classify.yaml")
 OPERATOR_DEFAULT_PORT = 2222  # tfv1.DefaultPort
 OPERATOR_CONTAINER, OPERATOR_PORT_NAME = "tensorflow", "tfjob-port"
+NETWORK_POLICY = os.path.join(ROOT, "configs", "kubeflow_networkpolicy.yaml")
+# The label the training-operator puts on every pod of a job (kubeflow/common's JobNameLabel),
+# besides the pod template's own labels.
+OPERATOR_JOB_LABEL = "training.kubeflow.org/job-name"
 
 
 def _strip_comment(line: str) -> str:
@@ -92,9 +96,8 @@ def read_block_yaml(text: str):
     return value
 
 
-@pytest.fixture(scope="module")
-def manifest():
-    with open(MANIFEST, encoding="utf-8") as file:
+def _read_manifest(path: str):
+    with open(path, encoding="utf-8") as file:
         text = file.read()
     parsed = read_block_yaml(text)
     try:
@@ -103,6 +106,16 @@ def manifest():
         return parsed
     assert yaml.safe_load(text) == parsed  # the reader reads it as YAML does
     return parsed
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return _read_manifest(MANIFEST)
+
+
+@pytest.fixture(scope="module")
+def network_policy():
+    return _read_manifest(NETWORK_POLICY)
 
 
 def _container(replica_spec: dict) -> dict:
@@ -188,6 +201,54 @@ def test_a_chief_replica_is_the_chief_and_a_master_replica_is_refused(manifest):
     specs["Master"] = specs.pop("Chief")
     with pytest.raises(UsageError, match="unknown task type 'master'"):
         parse_tf_config(operator_tf_config(with_chief, "tfmp", "Master", 0))
+
+
+def operator_pod_labels(tfjob: dict, replica_type: str, index: int) -> dict:
+    """The labels of a pod the training-operator creates for `tfjob`: the template's, plus its own."""
+    spec = tfjob["spec"]["tfReplicaSpecs"][replica_type]
+    labels = dict((spec["template"].get("metadata") or {}).get("labels") or {})
+    labels.update(
+        {
+            OPERATOR_JOB_LABEL: tfjob["metadata"]["name"],
+            "training.kubeflow.org/replica-type": replica_type.lower(),
+            "training.kubeflow.org/replica-index": str(index),
+            "training.kubeflow.org/operator-name": "tfjob-controller",
+        }
+    )
+    return labels
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, "only matchLabels selectors are checked here"
+    return all(labels.get(key) == value for key, value in selector.get("matchLabels", {}).items())
+
+
+def test_the_network_policy_admits_only_the_jobs_own_pods_to_the_worker_port(manifest, network_policy):
+    """TensorFlow's worker port runs code for whoever connects (docs/security.md): the policy
+    must select every pod of the TFJob, admit ingress only from pods of the same job (same
+    namespace: no namespaceSelector or ipBlock), and only to the worker port."""
+    assert (
+        network_policy["apiVersion"] == "networking.k8s.io/v1" and network_policy["kind"] == "NetworkPolicy"
+    )
+    spec = network_policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    specs = manifest["spec"]["tfReplicaSpecs"]
+    job_pods = [
+        operator_pod_labels(manifest, replica_type, index)
+        for replica_type, replica_spec in specs.items()
+        for index in range(replica_spec.get("replicas", 1))
+    ]
+    other_job = operator_pod_labels(dict(manifest, metadata={"name": "another-job"}), "Worker", 0)
+    assert all(_selects(spec["podSelector"], labels) for labels in job_pods)
+    assert not _selects(spec["podSelector"], other_job)
+    (rule,) = spec["ingress"]
+    assert all(set(source) == {"podSelector"} for source in rule["from"]), "pods of this namespace only"
+    assert all(any(_selects(s["podSelector"], labels) for s in rule["from"]) for labels in job_pods)
+    assert not any(_selects(s["podSelector"], other_job) for s in rule["from"])
+    worker_ports = {_port(replica_spec) for replica_spec in specs.values()}
+    assert [(p["protocol"], p["port"]) for p in rule["ports"]] == [
+        ("TCP", port) for port in sorted(worker_ports)
+    ]
 
 
 @pytest.mark.slow  # starts TensorFlow in a new process
