@@ -312,3 +312,72 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_a_cut_record_is_dropped(t
     reporter.close()
     records = [json.loads(line) for line in (disk / "metrics.jsonl").read_text().splitlines()]
     assert [record["step"] for record in records] == [1, 3, 4]
+
+
+class _FillTheDisk(keras.callbacks.Callback):
+    """At the end of the first epoch (its checkpoint saved), fills the file system `path` is on."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            with open(self.path, "wb", buffering=0) as filler, pytest.raises(OSError):
+                while True:
+                    filler.write(b"x" * 4096)
+
+
+def test_tfmp_fit_on_a_disk_that_fills_mid_run_names_the_checkpoint_it_resumes_from(tmp_path, mounts):
+    disk = tmp_path / "disk"
+    mounts.tmpfs(disk, "512k")
+    model_dir = disk / "run"
+    with pytest.raises(WriteFailed) as failed:
+        tfmp.fit(
+            _tiny_model(),
+            _tiny_data(),
+            epochs=2,
+            verbose=0,
+            model_dir=str(model_dir),
+            callbacks=[_FillTheDisk(disk / "filler")],
+        )
+    message = str(failed.value)
+    assert message.startswith(f"saving the checkpoint of step 4: cannot write {model_dir / 'checkpoints'}")
+    assert message.endswith(
+        f"(no space left on device); free space on {disk}, then run tfmp.fit again with the same "
+        f"model_dir: it resumes from the checkpoint of step 2 in {model_dir / 'checkpoints'}"
+    )
+    assert _leftovers(model_dir) == []
+    os.remove(disk / "filler")
+    tfmp.fit(_tiny_model(), _tiny_data(), epochs=2, verbose=0, model_dir=str(model_dir))
+    assert json.loads((model_dir / "run_card.json").read_text())["steps"].endswith("from step 2")
+
+
+@pytest.fixture
+def immutable(tmp_path):
+    """A directory even root cannot write in (`chattr +i`, ext4/xfs/btrfs); skips elsewhere."""
+    directory = tmp_path / "immutable"
+    directory.mkdir()
+    result = subprocess.run(["chattr", "+i", str(directory)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"needs chattr +i (root on ext4, xfs or btrfs): {result.stderr.strip()}")
+    yield directory
+    subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
+def test_writes_into_an_immutable_directory_raise_one_line_naming_it(immutable):
+    """Operation not permitted (EPERM): what root meets where a permission stops a write."""
+    expected = f"(operation not permitted); let this user write in {immutable} (its permissions, or an"
+    with pytest.raises(WriteFailed) as failed:
+        Reporter(str(immutable), verbose=False).run_card({"model": "x"})
+    assert str(failed.value).startswith(
+        f"writing the run card: cannot write {immutable / 'run_card.json'} {expected}"
+    )
+    saver = checkpoint.Checkpoints(str(immutable), True, 0, global_batch_size=8, weight=tf.Variable(1.0))
+    with pytest.raises(WriteFailed) as failed:
+        saver.save(4)
+    assert str(failed.value).startswith(
+        f"saving the checkpoint of step 4: cannot write {immutable / 'checkpoints'}"
+    )
+    assert "(operation not permitted)" in str(failed.value)
+    assert os.listdir(immutable) == []

@@ -32,7 +32,10 @@ FIXES = {
     errno.EDQUOT: ("disk quota exceeded", "free space on {mount} or raise your quota there"),
     errno.EROFS: ("read-only file system", "remount {mount} read-write"),
     errno.EACCES: ("permission denied", "let this user write in {directory}"),
-    errno.EPERM: ("operation not permitted", "let this user write in {directory}"),
+    errno.EPERM: (
+        "operation not permitted",
+        "let this user write in {directory} (its permissions, or an immutable attribute: lsattr)",
+    ),
     errno.EFBIG: (
         "file too large for this process's file-size limit",
         "raise the limit (ulimit -f unlimited)",
