@@ -151,10 +151,12 @@ def test_mixed_float16_model_gets_replica_safe_loss_scaling(mirrored, tmp_path):
     assert "replaced Keras' LossScaleOptimizer" in card["tfmp changed"]
     assert card["loss scale"].startswith("dynamic")
     assert np.isfinite(history.history["loss"][0])
-    # An overflow on replica 1 alone (rows 8..15 of the global batch) skips the step on both.
+    # An overflow on replica 1 alone (rows 8..15 of the global batch) skips the step on both:
+    # 1e5 is a finite float32 input that float16 cannot hold (its largest is 65504), so the
+    # model overflows; an inf input would stop the run as bad data (tests/test_bad_numbers.py).
     before = [[v.numpy() for v in w.value.values] for w in model.trainable_weights]
     poisoned = images[:GLOBAL_BATCH].copy()
-    poisoned[8:] = np.inf
+    poisoned[8:] = 1e5
     tfmp.fit(model, _dataset(poisoned, labels[:GLOBAL_BATCH]), epochs=1, verbose=0)
     for weight, copies in zip(model.trainable_weights, before):
         for replica_value, start in zip(weight.value.values, copies):
@@ -322,7 +324,8 @@ def test_fixed_loss_scale_is_shown_recorded_and_its_overflow_stops_the_run(tmp_p
     assert [record["loss_scale"] for record in records if record["split"] == "train"] == [1024.0]
     # 1e30 fits float32 but overflows the float16 gradients; a fixed scale skips no step.
     with pytest.raises(
-        TrainingDiverged, match=r"at step 1 .*\(loss scale: fixed 1e\+30\).*lower the loss scale"
+        TrainingDiverged,
+        match=r"at step 1 .*\(loss scale: fixed 1e\+30; the inputs were finite\).*lower the loss scale",
     ):
         tfmp.fit(_fixed_scale_tutorial(1e30), images, labels, batch_size=16, verbose=0)
 

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfmp import precision
 from tfmp.errors import UsageError
+from tfmp.precision import loss_scaling
 
 CPU_PLAIN = precision.Hardware((), False, cpu_fast_bfloat16=False)
 CPU_BF16 = precision.Hardware((), False, cpu_fast_bfloat16=True)
@@ -138,6 +139,8 @@ def test_overflow_on_any_replica_skips_step_everywhere(mirrored, bad_replica):
         np.testing.assert_array_equal(copy, np.ones(4))
     assert precision.current_loss_scale(optimizer) == 512.0
     assert int(optimizer.iterations.numpy()) == 0
+    # Both replicas count the skip (each holds its own count of the all-reduced verdict).
+    assert [int(count.numpy()) for count in optimizer.skipped_in_a_row.values] == [1, 1]
 
 
 def test_finite_steps_apply_and_grow_scale_on_schedule(mirrored):
@@ -150,8 +153,21 @@ def test_finite_steps_apply_and_grow_scale_on_schedule(mirrored):
     _apply_step(strategy, variable, optimizer, bad_replica=-1)
     assert precision.current_loss_scale(optimizer) == 2048.0  # doubled after 2 finite steps
     _apply_step(strategy, variable, optimizer, bad_replica=1)
-    assert precision.current_loss_scale(optimizer) == 1024.0
+    _apply_step(strategy, variable, optimizer, bad_replica=0)
+    assert precision.current_loss_scale(optimizer) == 512.0
     assert int(optimizer.step_counter.numpy()) == 0
+    assert int(optimizer.skipped_in_a_row.numpy()) == 2  # in a row; a finite step starts again
+    _apply_step(strategy, variable, optimizer, bad_replica=-1)
+    assert int(optimizer.skipped_in_a_row.numpy()) == 0
+
+
+def test_skip_limit_is_the_halvings_to_below_1_plus_a_margin():
+    """From 2^15, 16 skips in a row reach 1/2 (the floor stops the run there); the limit adds
+    SKIP_MARGIN for a scale that had grown since."""
+    default = precision.wrap_optimizer(keras.optimizers.SGD(0.1), "mixed_float16", "dynamic")
+    assert loss_scaling.skip_limit(default) == 16 + loss_scaling.SKIP_MARGIN == 32
+    small = precision.wrap_optimizer(keras.optimizers.SGD(0.1), "mixed_float16", "dynamic", initial_scale=1.0)
+    assert loss_scaling.skip_limit(small) == 1 + loss_scaling.SKIP_MARGIN
 
 
 def test_float32_layers_takes_one_pattern_as_a_string():

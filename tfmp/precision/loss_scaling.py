@@ -48,6 +48,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """
 
     def build(self, var_list):
+        if self.built:  # Keras' would make a new scale at its initial value (a second tfmp.fit)
+            return
         super().build(var_list)
         # Steps skipped in a row, kept by every replica alike (the verdict is all-reduced) and
         # saved with the optimizer's checkpoint, so a resumed run counts on where it stopped.

@@ -246,13 +246,15 @@ class Loop:
             return
         streak = "" if skipped_in_a_row is None else f"{skipped_in_a_row} step(s) in a row "
         if scale < 1.0:
-            why = "below 1, its floor): the model overflows float16 even at loss scale 1"
+            why = f"loss scale fell below 1, its floor: now {scale:g}): the model overflows float16 even at scale 1"
         else:  # a scale that had grown far: every one tried since overflowed
-            why = f"the limit is {limit} in a row): the gradients overflow float16 at every loss scale tried"
+            why = (
+                f"{limit} in a row is the limit; loss scale now {scale:g}): it overflows at every scale tried"
+            )
         raise TrainingDiverged(
             f"float16 loss scaling skipped {streak}up to step {step} for non-finite gradients from finite inputs "
-            f"(loss scale now {scale:g}, {why}; training stopped, {self._kept()}keep the overflowing layers in "
-            "float32 (tfmp.precision.diagnose names them), train in mixed_bfloat16, or lower the learning rate"
+            f"({why}; training stopped, {self._kept()}keep the overflowing layers in float32 "
+            "(tfmp.precision.diagnose names them), train in mixed_bfloat16, or lower the learning rate"
         )
 
     def _kept(self) -> str:
