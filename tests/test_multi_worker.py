@@ -17,9 +17,19 @@ import time
 import keras
 import numpy as np
 import pytest
-from conftest import ROOT, peer_errors_once_formed, run_python, wait_for_log_past, workers_of
+from conftest import (
+    ROOT,
+    finish,
+    listening_ports,
+    peer_errors_once_formed,
+    run_python,
+    start_python,
+    wait_for_log_past,
+    workers_of,
+)
 
-from tfmp.distribute import launch
+from tfmp.distribute import launch, netns
+from tfmp.errors import EXIT_PEER_LOST
 
 pytestmark = pytest.mark.slow
 
@@ -172,6 +182,7 @@ def test_sigterm_then_sigkill_on_a_worker_each_restart_the_group_from_its_checkp
     )
     wait_for_log_past(process, tmp_path / "run" / "metrics.jsonl", 0)
     first_group = workers_of(process)
+    _assert_private_network(first_group)
     os.kill(first_group[1], signal.SIGTERM)
     second_group = _next_group(process, first_group)
     preempted_at = _checkpoint_steps(tmp_path)[-1]
@@ -184,7 +195,9 @@ def test_sigterm_then_sigkill_on_a_worker_each_restart_the_group_from_its_checkp
     assert output.count("preempted: SIGTERM on a worker: checkpoint saved at step") == 2, output[-4000:]
     assert preempted_at % 50 != 0, preempted_at  # the preemption checkpoint, between periodic ones
     assert "[launch] restart 1/2" in output and "[launch] restart 2/2" in output
-    assert "[launch] worker 1 exited with -9" in output
+    assert "[launch] worker 1 killed by SIGKILL" in output
+    # The survivor's collective failed at once; the launcher dropped what it said about it.
+    assert "Traceback" not in output and "Aborting RingReduce" not in output, output[-4000:]
     summaries = _summaries(output)
     assert _digest(summaries[0]) == _digest(summaries[1])
     # Resumed from a checkpoint: the step count ends exactly at the plan, every step applied once.
@@ -192,6 +205,40 @@ def test_sigterm_then_sigkill_on_a_worker_each_restart_the_group_from_its_checkp
     resumed_from = json.load(open(tmp_path / "run" / "run_card.json"))["steps"].split("from step ")[1]
     assert int(resumed_from) >= preempted_at
     assert not os.listdir(tmp_path / "tmp")
+
+
+def _assert_private_network(workers):
+    """Done when of issue 30, with real training: the workers' gRPC servers (bound to 0.0.0.0)
+    listen in a network of their own, and none of their ports listens in the host's (`ss -ltn`)."""
+    assert not any(netns.same_network_as(pid) for pid in workers)
+    ports = listening_ports(workers[0])
+    assert len(ports) >= 2  # both workers' servers (and their start-up listeners' successors)
+    assert not ports & listening_ports(), ports
+
+
+def test_a_lost_peer_is_one_line_exit_5(tmp_path):
+    """Two workers started by hand (as on two hosts, no launcher to stop the survivor): worker 1
+    is killed mid-run; worker 0's collective fails, and instead of TensorFlow's UnavailableError
+    traceback it prints one `error:` line naming the lost worker and what a resume starts from."""
+    ports = launch.free_ports(2)
+    addresses = [f"localhost:{port}" for port in ports]
+    flags = [*APP, "--strategy=multi_worker", "--steps=400", "--steps_per_epoch=400", "--checkpoint_every=10"]
+    workers = [
+        start_python(
+            [*flags, f"--model_dir={tmp_path / 'run'}"], env={"TF_CONFIG": launch.tf_config(addresses, i)}
+        )
+        for i in range(2)
+    ]
+    wait_for_log_past(workers[0], tmp_path / "run" / "metrics.jsonl", 10)
+    workers[1].kill()
+    finish(workers[1])
+    survivor = finish(workers[0], timeout=120)
+    assert survivor.returncode == EXIT_PEER_LOST, survivor.stderr[-3000:]
+    assert "Traceback" not in survivor.stderr, survivor.stderr[-3000:]
+    lines = [line for line in survivor.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and survivor.stderr.rstrip().endswith(lines[0]), survivor.stderr[-3000:]
+    assert lines[0].startswith(f"error: worker 1 ({addresses[1]}) stopped answering"), lines[0]
+    assert "a resume starts from the checkpoint of step" in lines[0], lines[0]
 
 
 def test_unreachable_peer_fails_fast_naming_it(tmp_path):
