@@ -9,12 +9,13 @@ a corrupt image folder, broken COCO files, a fake run, ...), HOME (the cases' ho
 
 import json
 import os
+import shutil
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import ROOT, finish, start_python
+from conftest import ROOT, finish, save_spy_saved_model, start_python, write_zero_png
 from PIL import Image
 
 import tfmp
@@ -110,6 +111,12 @@ APP_CASES = [
     ("classify", ["--model_dir=FIXTURES/looping"], {}, "FIXTURES/looping is a symlink loop"),
     ("classify", ["--dataset=folder:FIXTURES/missing"], {}, "does not exist"),
     ("classify", ["--dataset=folder:FIXTURES/corrupt_folder"], {}, "bad.jpg"),
+    (
+        "classify",
+        ["--dataset=folder:FIXTURES/bomb_folder"],
+        {},
+        "bomb_folder/square/bomb.png is a 0.4 MB PNG of 20000x20000 = 400,000,000 pixels",
+    ),
     ("classify", ["--dataset=tfds:mnist", "--data_dir=FIXTURES/empty"], {}, "mnist"),
     ("mnist", ["--model=nope"], {}, "unknown model 'nope'"),
     ("mnist", ["--strategy=mirrored", "--cpu_replicas=3", "--global_batch_size=100"], {}, "global batch 100"),
@@ -159,6 +166,32 @@ APP_CASES = [
     ("predict", ["--model=FIXTURES/run", "FIXTURES/missing.png"], {}, "FIXTURES/missing.png': no such file"),
     ("predict", ["--model=FIXTURES/run", "FIXTURES/a_file"], {}, "not a decodable image"),
     ("predict", ["--model=FIXTURES/truncated.keras", "FIXTURES/a.png"], {}, "is not a complete .keras file"),
+    # Untrusted files: a SavedModel is a program (this one writes a file), a bomb, a bad export.json.
+    (
+        "predict",
+        ["--model=FIXTURES/spy_saved_model", "FIXTURES/a.png"],
+        {},
+        "SavedModel FIXTURES/spy_saved_model was not written by apps.export",
+    ),
+    (
+        "predict",
+        ["--model=FIXTURES/run", "FIXTURES/bomb.png"],
+        {},
+        "FIXTURES/bomb.png' is a 0.4 MB PNG of 20000x",
+    ),
+    (
+        "predict",
+        ["--model=FIXTURES/run", "--max_image_pixels=-1", "FIXTURES/a.png"],
+        {},
+        "--max_image_pixels=-1",
+    ),
+    (
+        "predict",
+        ["--model=FIXTURES/bad_json_export", "FIXTURES/a.png"],
+        {},
+        "export.json is not readable JSON",
+    ),
+    ("predict", ["--model=FIXTURES/unknown_kind_export", "FIXTURES/a.png"], {}, "names kind 'segmenter'"),
     (
         "predict",
         ["--model=FIXTURES/run", "--score_threshold=2", "FIXTURES/a.png"],
@@ -228,6 +261,17 @@ def _write_fixtures(fixtures) -> None:
     whole = (fixtures / "run" / run_dir.MODEL_FILE).read_bytes()
     (fixtures / "broken_run" / run_dir.MODEL_FILE).write_bytes(whole[: len(whole) // 2])
     (fixtures / "truncated.keras").write_bytes(whole[: len(whole) // 2])
+    # Untrusted files: a SavedModel that would write into FIXTURES if it ran, a PNG bomb (also in
+    # a class folder), export dirs with a broken and an unknown-kind export.json.
+    save_spy_saved_model(fixtures / "spy_saved_model", fixtures / "spy_ran.txt", size=16)
+    write_zero_png(fixtures / "bomb.png", 20000, 20000)
+    shutil.copytree(fixtures / "corrupt_folder", fixtures / "bomb_folder")
+    os.remove(fixtures / "bomb_folder" / "square" / "bad.jpg")
+    write_zero_png(fixtures / "bomb_folder" / "square" / "bomb.png", 20000, 20000)
+    for name, text in (("bad_json_export", '{"kind": '), ("unknown_kind_export", '{"kind": "segmenter"}')):
+        (fixtures / name).mkdir()
+        (fixtures / name / run_dir.EXPORT_METADATA_FILE).write_text(text)
+        (fixtures / name / run_dir.MODEL_FILE).write_bytes(whole)
 
 
 @pytest.fixture(scope="module")
