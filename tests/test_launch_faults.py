@@ -158,7 +158,7 @@ def test_a_killed_worker_is_named_with_128_plus_n_and_its_peer_is_quiet(tmp_path
     os.kill(workers_of(launcher)[1], signal.SIGKILL)
     stdout, stderr = launcher.communicate(timeout=30)
     assert launcher.returncode == 128 + signal.SIGKILL, stdout + stderr
-    assert "[launch] worker 1 killed by SIGKILL; stopping the others" in stdout
+    assert "[launch] worker 1 exited with -9 (killed by SIGKILL); stopping the others" in stdout
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: worker 1 was killed by SIGKILL"), stderr
 

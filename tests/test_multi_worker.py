@@ -195,7 +195,7 @@ def test_sigterm_then_sigkill_on_a_worker_each_restart_the_group_from_its_checkp
     assert output.count("preempted: SIGTERM on a worker: checkpoint saved at step") == 2, output[-4000:]
     assert preempted_at % 50 != 0, preempted_at  # the preemption checkpoint, between periodic ones
     assert "[launch] restart 1/2" in output and "[launch] restart 2/2" in output
-    assert "[launch] worker 1 killed by SIGKILL" in output
+    assert "[launch] worker 1 exited with -9 (killed by SIGKILL)" in output
     # The survivor's collective failed at once; the launcher dropped what it said about it.
     assert "Traceback" not in output and "Aborting RingReduce" not in output, output[-4000:]
     summaries = _summaries(output)

@@ -187,7 +187,9 @@ def _watch(group: list[workers.Worker], stop: workers.StopSignals) -> tuple[int 
             for worker in group:
                 if worker.index != index:
                     worker.silence()  # what they say now is about the lost peer
-            print(f"[launch] worker {index} {workers.describe(code)}; stopping the others", flush=True)
+            # "exited with -9 (killed by SIGKILL)": the returncode as Popen gives it, and in words.
+            what = f"exited with {code}" + (f" ({workers.describe(code)})" if code < 0 else "")
+            print(f"[launch] worker {index} {what}; stopping the others", flush=True)
             return index, code
         if all(code is not None for code in codes):
             return None, 0
