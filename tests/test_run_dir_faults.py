@@ -381,3 +381,17 @@ def test_writes_into_an_immutable_directory_raise_one_line_naming_it(immutable):
     )
     assert "(operation not permitted)" in str(failed.value)
     assert os.listdir(immutable) == []
+
+
+def test_a_file_system_out_of_inodes_at_the_start_is_a_write_fault_not_a_usage_error(tmp_path, mounts):
+    """A new run directory on a full file system (here: no inode left for a directory) is refused
+    before anything is built, as the disk's fault (exit 4), not the path's (exit 2)."""
+    disk = tmp_path / "disk"
+    mounts.tmpfs(disk, "64k,nr_inodes=2")  # the root directory and one more
+    (disk / "only").mkdir()
+    with pytest.raises(WriteFailed) as failed:
+        run_dir.writable_dir(str(disk / "run"))
+    assert str(failed.value) == (
+        f"--model_dir={disk / 'run'}: cannot write {disk} (no space left on device); free space on {disk}, "
+        "then run the same command again"
+    )

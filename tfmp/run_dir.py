@@ -31,7 +31,8 @@ import tempfile
 import time
 import zipfile
 
-from tfmp.errors import UsageError
+from tfmp import write_faults
+from tfmp.errors import UsageError, WriteFailed
 
 FLAGS_FILE = "flags.txt"
 RUN_CARD_FILE = "run_card.json"
@@ -50,7 +51,8 @@ def writable_dir(path: str, flag: str = "--model_dir") -> str:
 
     Nothing is created: the nearest existing ancestor is probed with a temporary directory that
     is removed at once, so a read-only or missing mount fails here, before a run writes anything.
-    A UsageError names the flag, the value and the fix.
+    A UsageError names the flag, the value and the fix (a file, a dangling or looping symlink on
+    the way, a read-only or forbidden place); a full file system is `WriteFailed` (exit 4).
     """
     if not path:
         raise UsageError(f"{flag} is empty; name a directory")
@@ -67,6 +69,11 @@ def writable_dir(path: str, flag: str = "--model_dir") -> str:
         with tempfile.TemporaryDirectory(prefix=".tfmp-write-probe-", dir=ancestor):
             pass
     except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):  # not the path's fault: the disk's
+            line = write_faults.describe(
+                OSError(error.errno, error.strerror), ancestor
+            )  # not the probe's name
+            raise WriteFailed(f"{flag}={path}: {line}, then run the same command again") from None
         reasons = {errno.EROFS: "read-only file system", errno.EACCES: "permission denied"}
         reason = reasons.get(error.errno, "not writable")
         raise UsageError(
