@@ -45,7 +45,10 @@ class ClassificationTask:
 
     def describe(self, config) -> data.DatasetInfo:
         return data.describe(
-            config.data.dataset, image_size=config.data.image_size, data_dir=config.data.data_dir
+            config.data.dataset,
+            image_size=config.data.image_size,
+            data_dir=config.data.data_dir,
+            max_image_pixels=config.data.max_image_pixels,
         )
 
     def build_model(self, config, plan) -> keras.Model:

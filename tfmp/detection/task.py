@@ -77,7 +77,10 @@ class DetectionTask:
 
     def describe(self, config) -> data.DetectionInfo:
         return data.describe(
-            config.data.dataset, image_size=config.data.image_size, data_dir=config.data.data_dir
+            config.data.dataset,
+            image_size=config.data.image_size,
+            data_dir=config.data.data_dir,
+            max_image_pixels=config.data.max_image_pixels,
         )
 
     @staticmethod
