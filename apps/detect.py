@@ -23,6 +23,7 @@ from tfmp.detection import DEFAULTS, data, faster_rcnn, rcnn_task, retinanet
 from tfmp.detection import predict as detection_predict
 from tfmp.detection.task import TASK
 from tfmp.errors import UsageError, unknown
+from tfmp.input import image_files
 
 FLAGS = flags.FLAGS
 # Both detector families: --model picks the family's task (RetinaNet's or Faster R-CNN's).
@@ -72,7 +73,12 @@ def main(argv):
         if FLAGS.output_dir:
             run_dir.writable_dir(FLAGS.output_dir, "--output_dir")
         for record in detection_predict.predict_files(
-            FLAGS.model_dir, FLAGS.predict, threshold, FLAGS.max_detections, FLAGS.output_dir
+            FLAGS.model_dir,
+            FLAGS.predict,
+            threshold,
+            FLAGS.max_detections,
+            FLAGS.output_dir,
+            image_files.pixel_limit(FLAGS.max_image_pixels),
         ):
             print(json.dumps(record), flush=True)
         return

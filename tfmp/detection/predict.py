@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfmp import run_dir
 from tfmp.detection import boxes, data, faster_rcnn, retinanet, visualize
 from tfmp.errors import UsageError
+from tfmp.input import image_files
 
 
 def load_detector(model_dir: str) -> tuple[keras.Model, dict, data.DetectionInfo]:
@@ -43,12 +44,15 @@ def predict_files(
     score_threshold: float = 0.3,
     max_detections: int = 100,
     output_dir: str | None = None,
+    max_pixels: int | None = image_files.MAX_IMAGE_PIXELS,
 ) -> list[dict]:
-    """One record per image ({"image", "png", "detections": [{"box", "class", "name", "score"}]})."""
+    """One record per image ({"image", "png", "detections": [{"box", "class", "name", "score"}]});
+    an image whose header declares more than `max_pixels` pixels (0: no limit) is refused."""
     if not 0.0 <= score_threshold < 1.0:
         raise UsageError(f"--score_threshold={score_threshold} must be in [0, 1)")
     model, flags, info = load_detector(model_dir)
-    images = [data.read_image(path, info.image_size) for path in paths]  # all decode, or nothing is written
+    # Every image decodes, or nothing is written.
+    images = [data.read_image(path, info.image_size, max_pixels) for path in paths]
     batch = tf.stack([image for image, _, _ in images])
     if flags["model"] in faster_rcnn.DETECTORS:  # NMS inside the model
         found = faster_rcnn.detect(model, batch, score_threshold, max_detections)

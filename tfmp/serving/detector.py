@@ -344,7 +344,12 @@ def predict(model: str, paths: list[str], settings: dict, kind: str = "detector"
     score_threshold = settings.get("score_threshold", 0.3)
     if os.path.isdir(model) and predictors.run_kind(model) == kind:
         return run_predict.predict_files(
-            model, paths, score_threshold, settings.get("max_detections", 100), settings.get("output_dir")
+            model,
+            paths,
+            score_threshold,
+            settings.get("max_detections", 100),
+            settings.get("output_dir"),
+            settings.get("max_image_pixels", image_files.MAX_IMAGE_PIXELS),
         )
     return predict_files(
         predictors.load(model, settings.get("trust_saved_model", False)),
