@@ -191,7 +191,7 @@ def run(main, positional_arguments: bool = False) -> None:
         except Exception as error:
             # A full disk, a read-only file system, ... naming a file, in an app that did not
             # say what it was writing (e.g. apps.export): still one line. Anything else is a bug.
-            line = write_faults.describe(error)
+            line = write_faults.describe(error, codes=write_faults.ONLY_WRITES)
             if line is None:
                 raise
             print(f"error: {line}, then run the same command again", file=sys.stderr)

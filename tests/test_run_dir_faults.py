@@ -114,14 +114,28 @@ def test_a_full_disk_then_a_file_size_limit_are_one_line_each_and_the_same_comma
     same command resumes from the last whole checkpoint to the end; under a 100 KB file-size limit
     the same command (a finished run: no step, only the model's save) fails on model.keras,
     which stays the previous whole file. Beside the first run, one under a 500-byte limit fails
-    on its first file, flags.txt, and leaves no directory behind."""
-    disk = tmp_path / "disk"
+    on its first file, flags.txt, and leaves no directory behind, and apps.export onto a full
+    disk (an app that does not name what it writes) says so in one line too."""
+    disk, small = tmp_path / "disk", tmp_path / "small"
     mounts.tmpfs(disk, "2m")
+    mounts.tmpfs(small, "64k")
     command = [*CLASSIFY, "--steps=12", f"--model_dir={disk / 'run'}"]
     full = start_python(command, cwd=tmp_path)
+    export = start_python(
+        ["-m", "apps.export", f"--model_dir={_finished_run(tmp_path)}", f"--output_dir={small}"]
+    )
     fresh = tmp_path / "fresh"
     at_start = _run_limited([*CLASSIFY, "--steps=2", f"--model_dir={fresh}"], 500, cwd=tmp_path)
-    full = finish(full)
+    full, export = finish(full), finish(export)
+
+    # apps.export's TFLite check prints TensorFlow Lite's own warnings first, as on success.
+    assert export.returncode == EXIT_WRITE_FAILED and "Traceback" not in export.stderr, export.stderr[-3000:]
+    errors = [line for line in export.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == export.stderr.strip().splitlines()[-1:]  # Keras' save names no file: where to look
+    assert errors[0] == (
+        "error: a write failed (no space left on device); free space on the file system this command writes "
+        "to (its --model_dir or --output_dir), then run the same command again"
+    )
 
     line = _error_line(full, EXIT_WRITE_FAILED)
     checkpoints = disk / "run" / "checkpoints"
@@ -186,6 +200,17 @@ def test_a_second_run_on_a_held_dir_is_refused_naming_the_holder(tmp_path):
     assert f"--model_dir={model_dir}\n" in flags and "--steps=100000\n" in flags
     steps = [json.loads(line)["step"] for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps)  # one run's records only, not two runs' interleaved
+
+
+def _finished_run(tmp_path):
+    """A run directory as a finished tiny classifier run leaves it (flags.txt, model.keras)."""
+    run = tmp_path / "finished"
+    run.mkdir()
+    images = keras.Input((16, 16, 3))
+    model = keras.Model(images, keras.layers.Dense(3, "softmax")(keras.layers.Flatten()(images)))
+    model.save(run / run_dir.MODEL_FILE)
+    (run / run_dir.FLAGS_FILE).write_text("--model=seed_cnn\n--dataset=shapes\n--image_size=16\n")
+    return run
 
 
 def _tiny_model():

@@ -24,6 +24,7 @@ import dataclasses
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -182,7 +183,19 @@ def lock(model_dir: str, shown_dir: str, flag: str = "--model_dir") -> RunLock:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as error:
+            if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                logging.getLogger(__name__).warning(
+                    "cannot lock %s: this file system has no locks (%s); make sure no other run writes "
+                    "into %s while this one does",
+                    path,
+                    error.strerror,
+                    shown_dir,
+                )
+                break
+            if error.errno not in (errno.EAGAIN, errno.EACCES):  # EACCES: what some systems say
+                os.close(descriptor)
+                raise
             holder = os.pread(descriptor, 512, 0).decode(errors="replace").strip()
             os.close(descriptor)
             raise UsageError(

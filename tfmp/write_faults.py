@@ -41,6 +41,8 @@ FIXES = {
         "raise the limit (ulimit -f unlimited)",
     ),
 }
+# What only a write meets (a denied permission may be a read's): what apps.cli names for any app.
+ONLY_WRITES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 _TEMPORARY_SUFFIX = re.compile(r"\.tempstate\d+$")  # TensorFlow's temporary name for a file it writes
 _TEMPORARY_SIBLING = re.compile(r"^\.tmp-\d+-(.+)$")  # run_dir.atomic_path's, for the file it replaces
 
@@ -64,16 +66,22 @@ def fault_of(error: BaseException) -> tuple[int, str | None] | None:
     return None
 
 
-def describe(error: BaseException, path: str | None = None) -> str | None:
+def describe(error: BaseException, path: str | None = None, codes=frozenset(FIXES)) -> str | None:
     """The line `cannot write PATH (what happened); what to do` for a write fault, else None.
 
-    `path` is what the caller was writing, used when the error names no file; without either
-    it is None too (a line that names no file would not say where to act).
+    `path` is what the caller was writing, used when the error names no file (without either the
+    line says "a write failed" and points at where the command writes: Keras' `model.save` gives
+    a bare `OSError(28)`). Only the errnos in `codes` count (`ONLY_WRITES` where the error may come
+    from a read).
     """
     fault = fault_of(error)
-    if fault is None or not (fault[1] or path):
+    if fault is None or fault[0] not in codes:
         return None
     code, named = fault
+    if not (named or path):
+        reason, fix = FIXES[code]
+        somewhere = "the file system this command writes to (its --model_dir or --output_dir)"
+        return f"a write failed ({reason}); " + fix.format(mount=somewhere, directory=somewhere)
     target = os.path.abspath(str(named or path))
     sibling = _TEMPORARY_SIBLING.match(os.path.basename(target))
     if sibling:
