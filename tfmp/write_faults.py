@@ -10,8 +10,9 @@ one `error:` line (exit 4) instead of a traceback:
     with write_faults.guarded("saving the model", path), run_dir.atomic_path(path) as temporary:
         model.save(temporary)
     ...
-    except WriteFailed as error:
-        raise write_faults.with_resume(error, checkpoints.saved_step, checkpoints.location, command) from None
+    except WriteFailed as error:  # where the run knows its checkpoints: what a rerun resumes from
+        saved_step, location = checkpoints.saved_step, checkpoints.location
+        raise write_faults.with_resume(error, saved_step, location, command) from error.__cause__
 
 Imports nothing heavy (TensorFlow's errors are recognised by their attributes), so `apps.cli`
 can name a write fault from any app in one line.
