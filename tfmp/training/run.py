@@ -234,6 +234,7 @@ RESUMABLE_CHANGES = frozenset(
         "data_threads",
         "data_dir",
         "cache",
+        "max_image_pixels",  # which files the pre-run check admits, not what training computes
         "fused_norm",  # the same variables either way: only the kernel that computes them
         # The checkpoint is the unsplit model's variables wherever they were placed, so a run
         # may change its pipeline layout (2 workers x 2 stages -> 1 worker, or no pipeline).
