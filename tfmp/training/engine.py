@@ -25,12 +25,13 @@ does what Keras' own `train_step` does, so the numbers are Keras' numbers:
 - loss scaling is `optimizer.scale_loss` then `optimizer.apply` (which unscales); with
   `precision.LossScaleOptimizer` an overflow on any replica skips the step on all replicas; a
   fixed `loss_scale_factor` needs `compile(auto_scale_loss=False)` (Keras' wrapper clears it);
-- non-finite numbers never reach the weights: every replica's verdict (loss and gradients
-  finite; and only for a step that is not, whether its features, labels or sample weights are)
-  is all-reduced, one 4-float collective per step with more than one replica. A step that stops
-  the run (non-finite without a dynamic loss scaler, or non-finite inputs) is not applied (a loss
-  scaler skips it itself), and neither is any later step of the same host call, so the model
-  keeps the weights of the step before; `StepResult.halted_at` names that step for the loop;
+- non-finite numbers never reach the weights: a replica's verdict (loss and gradients finite;
+  and only for a step that is not, whether its features, labels or sample weights are) is
+  agreed where it must be: without a dynamic loss scaler the update waits for it (one
+  merge_call per step), across workers a 4-float all-reduce keeps host calls in step; a loss
+  scaler skips a non-finite step itself. A step that stops the run (non-finite without a loss
+  scaler, or non-finite inputs) ends the host call, so the model keeps the weights of the step
+  before; `StepResult.halted_at` names that step for the loop;
 - `steps_per_execution` steps run in one `tf.function` call (a `tf.range` loop);
 - worker-local variables (a pipeline on every worker: MultiWorkerMirroredStrategy with one
   replica per worker, the model and optimizer made outside its scope so each stage's variables
@@ -55,12 +56,12 @@ from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 
 # Status slots, summed over replicas and steps: replica-steps with non-finite loss or gradients;
-# steps run while a worker asked to stop; 1 + the host call's step that stopped training (every
-# replica adds the same, as the verdict is all-reduced); then, for that step, whether the
-# features, the labels, the sample weights were not finite (every replica alike).
-_NONFINITE, _STOPS, _HALTED_AT = 0, 1, 2
+# steps run while a worker asked to stop; replicas that stopped training, and the sum of their
+# (1 + the host call's step they stopped at: one step, as nothing runs after it); then the
+# replicas whose features, labels, sample weights were not finite in that step.
+_NONFINITE, _STOPS, _HALTING, _HALTED_AT = 0, 1, 2, 3
 _INPUTS = ("features", "labels", "sample weights")
-_SLOTS = 3 + len(_INPUTS)
+_SLOTS = 4 + len(_INPUTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,7 @@ class StepResult:
     """What one host call of training reports."""
 
     metrics: dict  # the model's metrics since the last reset, over all replicas and workers
-    nonfinite_steps: float  # steps whose loss or gradients were not finite on some replica
+    nonfinite_steps: float  # replica-steps whose loss or gradients were not finite
     stop_requests: float  # > 0 when any worker asked to stop (preemption); not a count
     halted_at: int = 0  # 1 + the call's step that stopped training (not applied, nor any after); 0: none
     nonfinite_inputs: tuple = ()  # which of "features", "labels", "sample weights" of that step were not finite
@@ -125,6 +126,9 @@ class Engine:
         self.loss_scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         self.xla = xla
         self.worker_local = _worker_local_variables(strategy, model, self.optimizer)
+        self._local_replicas = (
+            len(strategy.extended.worker_devices) if strategy.num_replicas_in_sync > 1 else 1
+        )
         with contextlib.nullcontext() if self.worker_local else strategy.scope():
             self.optimizer.build(model.trainable_variables)
         with strategy.scope():
@@ -197,47 +201,63 @@ class Engine:
             lambda: tf.zeros([len(_INPUTS)]),
             lambda: _nonfinite_inputs((x, y, sample_weight)),
         )
-        verdict = _agree(tf.concat([[1.0 - tf.cast(finite, tf.float32)], inputs], axis=0))
+        nonfinite_here = 1.0 - tf.cast(finite, tf.float32)
+        # Without a loss scaler a non-finite step would be applied: the update waits for the verdict.
+        guarded = apply and not self.loss_scaling
+        verdict = self._agree(tf.concat([[nonfinite_here], inputs], axis=0), gradients if guarded else None)
         nonfinite, bad_inputs = verdict[0] > 0, verdict[1:] > 0
-        halted = self._status[_HALTED_AT] > 0  # this replica's own slot, the same on all replicas
+        # The step that stops the run; the host loop runs no step after it. A loss scaler skips
+        # it (its verdict is all-reduced) and halves the scale, as for any overflow.
         stops = tf.reduce_any(bad_inputs) if self.loss_scaling else nonfinite
-        # The step that stops the run and every later one are not applied, except that a loss
-        # scaler sees the stopping step itself: it skips it (all-reduced) and halves the scale.
-        go = tf.logical_not(halted) if self.loss_scaling else tf.logical_not(halted | stops)
-        first_stop = tf.logical_not(halted) & stops
-        self._track(loss, _rows(x), finite & tf.logical_not(halted | stops), x, y, y_pred, sample_weight)
+        self._track(loss, _rows(x), finite & tf.logical_not(stops), x, y, y_pred, sample_weight)
         self._status.assign_add(
             tf.concat(
                 [
-                    [tf.where(nonfinite & tf.logical_not(halted), 1.0, 0.0)],
-                    [tf.cast(stop_requested, tf.float32)],
-                    [tf.where(first_stop, tf.cast(offset, tf.float32) + 1.0, 0.0)],
-                    tf.where(first_stop & bad_inputs, 1.0, 0.0),
+                    [nonfinite_here, tf.cast(stop_requested, tf.float32), tf.where(stops, 1.0, 0.0)],
+                    [tf.where(stops, tf.cast(offset, tf.float32) + 1.0, 0.0)],
+                    tf.where(stops & bad_inputs, 1.0, 0.0),
                 ],
                 axis=0,
             )
         )
         if apply:
-            self._apply_if(go, gradients)
+            if self.loss_scaling:
+                self.optimizer.apply(gradients, self.model.trainable_variables)
             return None
-        return {str(position): g for position, g in enumerate(gradients) if g is not None}, go
+        summed = {str(position): g for position, g in enumerate(gradients) if g is not None}
+        return summed, tf.constant(True) if self.loss_scaling else tf.logical_not(nonfinite)
 
-    def _apply_if(self, go, gradients):
-        """`optimizer.apply(gradients)` on every replica when `go` (the same on all of them).
+    def _agree(self, verdict, gradients=None):
+        """This replica's verdict, summed over the workers' replicas when there are several
+        workers (a 4-float all-reduce: each worker must end the host call at the same step) or
+        `gradients` are given; then the optimizer applies them on every replica when no
+        replica's were non-finite.
 
-        A branch that all-reduces (the optimizer's update) cannot sit in a replica context's
-        tf.cond, so the condition is taken in the cross-replica context, as Keras' own
-        LossScaleOptimizer does.
+        On one worker a loss scaler needs no agreement (its own verdict is all-reduced, and the
+        loop sums the replicas' status there). With `gradients`, one merge_call sums the verdicts
+        of the worker's replicas and conditions the update in the cross-replica context, as its
+        all-reduce cannot sit in a replica context's tf.cond (Keras' LossScaleOptimizer does it so).
         """
+        context = tf.distribute.get_replica_context()
+        summed = context.num_replicas_in_sync > self._local_replicas
+        if summed:
+            verdict = context.all_reduce(tf.distribute.ReduceOp.SUM, verdict)
+        if gradients is None:
+            return verdict
         variables = self.model.trainable_variables
 
-        def cross_replica(strategy, go, gradients):
-            def update():
-                strategy.run(self.optimizer.apply, args=(gradients, variables))
+        def cross_replica(strategy, verdict, gradients):
+            local = strategy.experimental_local_results(verdict)
+            total = local[0] if summed else tf.add_n(local)
+            if gradients is not None:
 
-            tf.cond(strategy.experimental_local_results(go)[0], update, lambda: None)
+                def update():
+                    strategy.run(self.optimizer.apply, args=(gradients, variables))
 
-        tf.distribute.get_replica_context().merge_call(cross_replica, args=(go, gradients))
+                tf.cond(total[0] > 0, lambda: None, update)
+            return total
+
+        return context.merge_call(cross_replica, args=(verdict, gradients))
 
     def _worker_local_step(self, data, stop_requested, offset):
         # In the cross-replica context of no strategy: the optimizer (made outside the scope)
@@ -258,6 +278,16 @@ class Engine:
                 self._worker_local_step(next(iterator), stop_requested, offset)
             else:
                 self.strategy.run(self._train_replica_step, args=(next(iterator), stop_requested, offset))
+            # A step stopped the run: no later step of this call runs, so the model keeps the
+            # weights of the step before it. This worker's replicas' slots (no collective): on
+            # several workers every replica holds the agreed verdict.
+            if (
+                tf.add_n(
+                    [status[_HALTING] for status in self.strategy.experimental_local_results(self._status)]
+                )
+                > 0
+            ):
+                break
 
     def _eval_replica_step(self, data):
         x, y, sample_weight, valid = _unpack(data)
@@ -331,13 +361,13 @@ class Engine:
         )
         metrics, status, skipped = self._read()
         self._status.assign(tf.zeros([_SLOTS], tf.float32))
-        replicas = self.strategy.num_replicas_in_sync  # every replica added the agreed verdict
+        halting = float(status[_HALTING])
         return StepResult(
             metrics,
-            float(status[_NONFINITE]) / replicas,
+            float(status[_NONFINITE]),
             float(status[_STOPS]),
-            halted_at=round(float(status[_HALTED_AT]) / replicas),
-            nonfinite_inputs=tuple(name for name, flag in zip(_INPUTS, status[_HALTED_AT + 1 :]) if flag),
+            halted_at=round(float(status[_HALTED_AT]) / halting) if halting else 0,
+            nonfinite_inputs=tuple(name for name, count in zip(_INPUTS, status[_HALTED_AT + 1 :]) if count),
             skipped_in_a_row=skipped if skipped >= 0 else None,
         )
 
@@ -394,14 +424,6 @@ def _dense_values(tensor):
     if isinstance(tensor, tf.SparseTensor):
         return tensor.values
     return tensor
-
-
-def _agree(verdict: tf.Tensor) -> tf.Tensor:
-    """This replica's verdict summed over every replica and worker (one small all-reduce)."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return verdict
-    return context.all_reduce(tf.distribute.ReduceOp.SUM, verdict)
 
 
 def _worker_local_variables(strategy, model: keras.Model, optimizer) -> bool:
