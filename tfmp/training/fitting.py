@@ -143,7 +143,10 @@ def fit(
     not divisible by the replicas, training or validation data that do not fit the model, labels
     the loss cannot take, a model built outside the strategy's scope, or a `model_dir` that is
     a file or not writable, or that another run holds; `TrainingDiverged` when the loss becomes
-    non-finite without dynamic loss scaling; `Preempted` after saving a checkpoint on SIGTERM (with
+    non-finite without dynamic loss scaling, or float16 loss scaling keeps skipping (its scale
+    below 1, or `precision.loss_scaling.skip_limit` steps in a row), and its subclass
+    `NonFiniteInput` when the data hold NaN or inf (each names the step; the model keeps its
+    weights of the step before); `Preempted` after saving a checkpoint on SIGTERM (with
     `model_dir`); `WriteFailed` when a write into `model_dir` fails.
     """
     if epochs < 1 or (steps_per_epoch is not None and steps_per_epoch < 1) or steps_per_execution < 1:
