@@ -6,8 +6,9 @@
                batches, the final dataset options
 * `tfds_reader` prepared TFDS datasets: builder errors, reading still-encoded records, the
                "is it prepared" check
-* `image_files` image files sniffed (first and last bytes) before a run starts: a bad file is
-               one error line naming it
+* `image_files` image files sniffed (first and last bytes, the size their header declares)
+               before a run starts: a bad or oversized file is one error line naming it;
+               decoding resized from 8-bit pixels
 
 The tasks' data modules (`tfmp.classification.data`, `tfmp.detection.data`) build on these.
 """
