@@ -60,6 +60,13 @@ def _command(cell: dict, startup_timeout: float = 120) -> list[str]:
     return runner
 
 
+# The live peak is TensorFlow's CPU allocator's statistic. With oneDNN on (TensorFlow's default on
+# CPUs with AVX512-VNNI/BF16 or AMX) that allocator is a BFC allocator that keeps it; with oneDNN
+# off (an AVX2-only CPU) the plain allocator keeps none ("Allocator stats not available for
+# device 'CPU:0'") unless TensorFlow is told to use its BFC allocator for CPU memory too.
+_ALLOCATOR_STATS = {"TF_CPU_ALLOCATOR_USE_BFC": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "true")}
+
+
 def measure(cell: dict, timeout: float) -> dict:
     """Runs one cell in a fresh process; returns its result (worker 0's for a group)."""
     completed = subprocess.run(
@@ -67,7 +74,7 @@ def measure(cell: dict, timeout: float) -> dict:
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **_ALLOCATOR_STATS),
     )
     result = parse_result(completed.stdout)
     if result is None:
