@@ -153,6 +153,17 @@ def _quiet_tensorflow() -> None:
     warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
 
 
+# tfmp's own faults: how each is printed (one line) and the exit status it ends with.
+_ONE_LINE = {
+    UsageError: ("error", EXIT_USAGE),
+    TrainingDiverged: ("error", EXIT_DIVERGED),
+    Preempted: ("preempted", EXIT_PREEMPTED),
+    WriteFailed: ("error", EXIT_WRITE_FAILED),
+    PeerLost: ("error", EXIT_PEER_LOST),
+}
+_ONE_LINE_ERRORS = tuple(_ONE_LINE)
+
+
 def run(main, positional_arguments: bool = False) -> None:
     """absl's app.run; user errors are one line and exit 2, divergence 3, preemption 42.
 
@@ -168,21 +179,10 @@ def run(main, positional_arguments: bool = False) -> None:
             sys.exit(EXIT_USAGE)
         try:
             main(argv)
-        except UsageError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(EXIT_USAGE)
-        except TrainingDiverged as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(EXIT_DIVERGED)
-        except Preempted as error:
-            print(f"preempted: {error}", file=sys.stderr)
-            sys.exit(EXIT_PREEMPTED)
-        except WriteFailed as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(EXIT_WRITE_FAILED)
-        except PeerLost as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(EXIT_PEER_LOST)
+        except _ONE_LINE_ERRORS as error:
+            prefix, code = next(way for kind, way in _ONE_LINE.items() if isinstance(error, kind))
+            print(f"{prefix}: {error}", file=sys.stderr)
+            sys.exit(code)
         except KeyboardInterrupt:
             # ^C inside the training loop saves a checkpoint (Preempted above); this is one
             # before it started or after it ended, with no step to lose.
