@@ -169,25 +169,10 @@ def fit(
     checkpoints = None
     try:
         with contextlib.ExitStack() as stack:  # closes what was opened, then unlocks
-            if model_dir and topology.is_chief:
-                stack.enter_context(_lock(model_dir))
-            if model_dir:
-                task_id = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0
-                checkpoints = Checkpoints(
-                    model_dir,
-                    topology.is_chief,
-                    task_id,
-                    keep=keep_checkpoints,
-                    global_batch_size=train.global_batch_size,
-                    model=model,
-                    optimizer=engine.optimizer,
-                )
-                stack.callback(checkpoints.close)
-            start_step = checkpoints.restore() if checkpoints else 0
-            reporter = Reporter(
-                model_dir if topology.is_chief else None, verbose=bool(verbose) and topology.is_chief
+            checkpoints, reporter = _open_run_files(
+                stack, model, engine, model_dir, keep_checkpoints, train.global_batch_size, bool(verbose)
             )
-            stack.callback(reporter.close, failing=True)  # on an error; on success closed below, raising
+            start_step = checkpoints.restore() if checkpoints else 0
             reporter.run_card(
                 run_card(
                     model,
@@ -202,17 +187,6 @@ def fit(
                     model_dir,
                 )
             )
-
-            def data_for_epoch(epoch, steps_done):
-                if train.infinite:  # one endless stream: position it once
-                    steps_done, epoch = epoch * steps_per_epoch + steps_done, 0
-                return iter(strategy.experimental_distribute_dataset(train.dataset(epoch, steps_done)))
-
-            def evaluate():
-                data = validation.dataset(0)
-                data = data.take(validation_steps) if validation_steps else data
-                return engine.evaluate(strategy.experimental_distribute_dataset(data))
-
             settings = LoopSettings(
                 total_steps=epochs * steps_per_epoch,
                 steps_per_epoch=steps_per_epoch,
@@ -221,13 +195,14 @@ def fit(
                 checkpoint_every=checkpoint_every,
                 log_every=log_every,
             )
+            data_for_epoch, evaluate = _inputs(engine, train, steps_per_epoch, validation, validation_steps)
             loop = Loop(
                 engine,
-                _infinite_once(data_for_epoch, train.infinite),
+                data_for_epoch,
                 settings,
                 reporter=reporter,
                 checkpoints=checkpoints,
-                evaluate=evaluate if validation else None,
+                evaluate=evaluate,
                 callbacks=callbacks,
             )
             result = loop.run(start_step)
@@ -240,6 +215,29 @@ def fit(
         raise write_faults.with_resume(error, saved_step, location, rerun) from error.__cause__
     distribute.barrier(strategy)  # last: after it a worker only returns and exits
     return result.history
+
+
+def _open_run_files(stack, model, engine, model_dir, keep_checkpoints, global_batch_size, verbose):
+    """(checkpoints or None, reporter): `model_dir` locked by the chief, its checkpoints and the
+    reporter opened; `stack` closes them (the reporter as failing, unless closed before)."""
+    topology, checkpoints = distribute.describe(engine.strategy), None
+    if model_dir and topology.is_chief:
+        stack.enter_context(_lock(model_dir))
+    if model_dir:
+        task_id = getattr(getattr(engine.strategy, "cluster_resolver", None), "task_id", 0) or 0
+        checkpoints = Checkpoints(
+            model_dir,
+            topology.is_chief,
+            task_id,
+            keep=keep_checkpoints,
+            global_batch_size=global_batch_size,
+            model=model,
+            optimizer=engine.optimizer,
+        )
+        stack.callback(checkpoints.close)
+    reporter = Reporter(model_dir if topology.is_chief else None, verbose=verbose and topology.is_chief)
+    stack.callback(reporter.close, failing=True)  # on an error; on success closed before, raising
+    return checkpoints, reporter
 
 
 @contextlib.contextmanager
@@ -256,6 +254,24 @@ def _lock(model_dir: str):
         yield held
     finally:
         held.release()
+
+
+def _inputs(engine: Engine, train, steps_per_epoch: int, validation, validation_steps: int | None):
+    """The Loop's `data_for_epoch(epoch, steps_done)` and `evaluate()` (None without validation
+    data), distributed by the engine's strategy."""
+    strategy = engine.strategy
+
+    def data_for_epoch(epoch, steps_done):
+        if train.infinite:  # one endless stream: position it once
+            steps_done, epoch = epoch * steps_per_epoch + steps_done, 0
+        return iter(strategy.experimental_distribute_dataset(train.dataset(epoch, steps_done)))
+
+    def evaluate():
+        data = validation.dataset(0)
+        data = data.take(validation_steps) if validation_steps else data
+        return engine.evaluate(strategy.experimental_distribute_dataset(data))
+
+    return _infinite_once(data_for_epoch, train.infinite), evaluate if validation else None
 
 
 def _infinite_once(data_for_epoch, infinite: bool):
