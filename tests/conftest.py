@@ -15,6 +15,10 @@ import types
 import zlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# --mixed and --precision=auto choose by the hardware rule, not by timing this host (whose speeds
+# change from day to day): the tests and the apps they start make the same choice everywhere.
+# tests/test_precision_probe.py measures on purpose.
+os.environ["TFMP_PRECISION_PROBE"] = "off"
 # XLA cells compile the same HLO with LLVM's optimisation passes off: 2.5x faster compiles (the
 # mirrored detector cell: 51 s -> 20 s), slower code, which tests of 1-3 steps do not notice.
 # Inherited by every process the tests start; apps and apps.bench keep XLA's default level.

@@ -6,8 +6,9 @@
     report = precision.diagnose(model, dataset)   # which layers break in float16 / bfloat16
     model = precision.float32_layers(model, report.float32_layers)
 
-Modules: `policy` (which policy on which hardware), `loss_scaling` (tfmp's replica-safe
-LossScaleOptimizer and the loss-scale flags), `doctor` (per-layer measurements, counted by
+Modules: `policy` (which policy on which hardware), `probe` (this host's float32, bfloat16 and
+float16 speeds, measured once and cached, which "auto" and "mixed" choose by), `loss_scaling`
+(tfmp's replica-safe LossScaleOptimizer and the loss-scale flags), `doctor` (per-layer measurements, counted by
 `measures`), `report` (the table and precision_report.json), `layers` (copies of a model with
 float32 layers), `fused_norm` (BatchNormalization on the fused kernel and GroupNormalization on
 `group_norm`'s, half precision in and out).
@@ -36,9 +37,12 @@ from tfmp.precision.measures import (
 )
 from tfmp.precision.policy import (
     CHOICES,
+    MARGIN,
     POLICIES,
     Hardware,
     PolicyChoice,
+    by_rule,
+    choose,
     compute_dtype,
     detect_hardware,
     model_compute_dtypes,
@@ -61,10 +65,13 @@ __all__ = [
     "Hardware",
     "LayerReport",
     "LossScaleOptimizer",
+    "MARGIN",
     "PolicyChoice",
     "Report",
     "FusedNormalization",
+    "by_rule",
     "check_compiled_with",
+    "choose",
     "clone_with_policies",
     "compute_dtype",
     "current_loss_scale",

@@ -14,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
 
 from tfmp import models
 from tfmp.errors import unknown
+from tfmp.precision import probe
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 CHOICES = POLICIES + ("auto", "mixed")
@@ -64,11 +66,92 @@ def _cpu_has_fast_bfloat16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def resolve(precision: str, hardware: Hardware | None = None) -> PolicyChoice:
-    """Turns a `--precision` value (see CHOICES) into a concrete Keras policy name."""
+# A half precision is chosen only when the probe finds it at least this much faster than float32.
+# The probe times the matmuls and convolutions alone; a mixed step adds what it leaves out (casts
+# between float32 variables and half-precision compute, the float32 layers such as softmax and
+# normalization statistics, loss scaling), 5-10% of a small model's step, and a shared VM's
+# timings wander by a few percent. Below 1.1x the end-to-end gain is within that: float32 wins ties.
+MARGIN = 1.1
+
+
+def resolve(
+    precision: str,
+    hardware: Hardware | None = None,
+    timings: Callable[[], tuple[dict, str]] | None = None,
+    workers: int = 1,
+) -> PolicyChoice:
+    """Turns a `--precision` value (see CHOICES) into a concrete Keras policy name.
+
+    "auto" and "mixed" measure (`tfmp.precision.probe`, cached per host) and `choose` from the
+    table; explicit policies never measure. `timings() -> (table, note)` is the probe (default
+    `probe.cached_timings`, skipped when TFMP_PRECISION_PROBE=off). With `workers` > 1 the
+    hardware rule decides alone: each worker timing its own host could choose differently, and
+    every worker must run the same policy. A probe that fails falls back to the rule, with one
+    warning line."""
     if precision not in CHOICES:
         raise unknown("precision", precision, CHOICES)
     hardware = hardware or detect_hardware()
+    rule = by_rule(precision, hardware)
+    if precision not in ("auto", "mixed") or hardware.has_tpu:
+        return rule
+    if workers > 1:
+        return dataclasses.replace(rule, reason=f"{rule.reason}; {workers} workers: by rule, not measured")
+    if timings is None:
+        if not probe.enabled():
+            return dataclasses.replace(rule, reason=f"{rule.reason}; {probe.ENVIRONMENT_VARIABLE}=off")
+        timings = probe.cached_timings
+    try:
+        table, note = timings()
+        probe.speedups(table)  # a table without a dtype or a time is a failed probe too
+    except Exception as error:  # noqa: BLE001 - any fault of a speed probe: choose as without one
+        failed = (
+            f"precision probe failed ({type(error).__name__}: {_gist(error)}); chose {rule.policy} by rule"
+        )
+        return dataclasses.replace(rule, warning="; ".join(filter(None, [failed, rule.warning])))
+    return choose(table, hardware, precision, note)
+
+
+def _gist(error: Exception) -> str:
+    """An error's message on one line: a traced function's error ends with the op's own message
+    ("in user code: ... ValueError: Dimensions must be equal ..."), so its last line is kept."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if last.startswith(f"{type(error).__name__}: "):
+        last = last[len(type(error).__name__) + 2 :]
+    return last[:200]
+
+
+def choose(table: dict, hardware: Hardware, precision: str, note: str = "") -> PolicyChoice:
+    """The policy for "auto" or "mixed" from the probe's timing table ({dtype: {workload:
+    seconds}}, `probe.measure`), compared by `probe.speedups`. On GPUs the compute-capability rule stands
+    unless the probe finds its half precision slower than float32; elsewhere the fastest half
+    precision wins when it is at least MARGIN times float32's speed, else float32. The reason is
+    the run card's line: what was measured and how to force the other choice."""
+    speeds = probe.speedups(table)
+    device = "GPU" if hardware.gpu_compute_capabilities else "CPU"
+    measured = f"probe {note}" if note else "probe"
+    asked = "auto" if precision == "auto" else "--mixed"
+    rule = by_rule(precision, hardware)
+    if device == "GPU" and rule.policy != "float32":
+        speed = speeds[compute_dtype(rule.policy)]
+        if speed >= 1.0:
+            line = f"{rule.reason}; {rule.policy} {speed:.2f}x float32's speed ({measured})"
+            return PolicyChoice(rule.policy, line, rule.warning)
+        measured += f"; overrides the compute-capability rule's {rule.policy}, {speed:.2f}x"
+    fastest = max(speeds, key=speeds.get)
+    policy, speed = f"mixed_{fastest}", speeds[fastest]
+    if speed >= MARGIN:
+        line = f"{asked}: {policy} {speed:.2f}x float32's speed on this {device} ({measured})"
+        return PolicyChoice(policy, line)
+    line = (
+        f"{asked}: {policy} {speed:.2f}x float32's speed on this {device}, under the {MARGIN}x needed "
+        f"({measured}): using float32; --precision={policy} forces it"
+    )
+    return PolicyChoice("float32", line)
+
+
+def by_rule(precision: str, hardware: Hardware) -> PolicyChoice:
+    """The choice from the hardware alone (compute capability, CPU flags): no measurement."""
     capabilities = hardware.gpu_compute_capabilities
     tensor_core_gpus = bool(capabilities) and all(cc >= (7, 0) for cc in capabilities)
     if precision == "auto":

@@ -145,12 +145,13 @@ def make_plan(config: TrainConfig, task: Task) -> Plan:
         startup_timeout=config.distribution.startup_timeout,
         one_replica_per_worker=one_replica_per_worker,
     )
-    policy_choice = precision.resolve(config.precision.policy)
+    topology = distribute.describe(strategy)
+    # Several workers choose by the hardware rule: each timing its own host could disagree.
+    policy_choice = precision.resolve(config.precision.policy, workers=topology.workers)
     policy = policy_choice.policy
     loss_scale = precision.parse_loss_scale(config.precision.loss_scale)
     info = task.describe(config)
     use_xla, xla_reason = resolve_xla(config.distribution.xla)
-    topology = distribute.describe(strategy)
     per_replica_batch = distribute.per_replica_batch(config.data.global_batch_size, strategy)
     steps_per_epoch = (
         config.optimization.steps_per_epoch or info.train_examples // config.data.global_batch_size
