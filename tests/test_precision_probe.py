@@ -52,8 +52,10 @@ def test_measured_choice_on_cpu(requested):
         f"{asked}: mixed_bfloat16 0.52x float32's speed on this CPU, under the 1.1x needed (probe): "
         "using float32; --precision=mixed_bfloat16 forces it"
     )
-    # The fastest half precision wins, float16 included.
-    assert precision.choose(_table(1.2, 2.0), CPU_PLAIN, requested).policy == "mixed_float16"
+    # On a CPU float16 never wins (its training costs more than the probe shows); the table keeps it.
+    assert precision.choose(_table(1.2, 2.0), CPU_PLAIN, requested).policy == "mixed_bfloat16"
+    fp16_only = precision.choose(_table(0.5, 2.0), CPU_PLAIN, requested)
+    assert fp16_only.policy == "float32" and "mixed_bfloat16 0.50x" in fp16_only.reason
 
 
 def test_margin_edges():
@@ -70,6 +72,8 @@ def test_gpu_keeps_compute_capability_rule_unless_probe_disagrees():
     kept = precision.choose(_table(2.5, 3.0), AMPERE, "mixed", "cached 2026-12-04")
     assert kept.policy == "mixed_float16"
     assert kept.reason == "--mixed on GPU; mixed_float16 3.00x float32's speed (probe cached 2026-12-04)"
+    # On a GPU the fastest half precision replaces a rule's choice the probe finds slower.
+    assert precision.choose(_table(1.5, 0.9), AMPERE, "mixed").policy == "mixed_bfloat16"
     # Even below the margin (but not slower), the rule's choice stands on a GPU.
     assert precision.choose(_table(1.0, 1.05), AMPERE, "auto").policy == "mixed_float16"
     # The probe finds float16 slower than float32 on this GPU: it overrides, and says so.

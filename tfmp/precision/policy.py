@@ -125,7 +125,7 @@ def choose(table: dict, hardware: Hardware, precision: str, note: str = "") -> P
     """The policy for "auto" or "mixed" from the probe's timing table ({dtype: {workload:
     seconds}}, `probe.measure`), compared by `probe.speedups`. On GPUs the compute-capability rule stands
     unless the probe finds its half precision slower than float32; elsewhere the fastest half
-    precision wins when it is at least MARGIN times float32's speed, else float32. The reason is
+    precision (on CPUs: bfloat16) wins when it is at least MARGIN times float32's speed, else float32. The reason is
     the run card's line: what was measured and how to force the other choice."""
     speeds = probe.speedups(table)
     device = "GPU" if hardware.gpu_compute_capabilities else "CPU"
@@ -138,7 +138,11 @@ def choose(table: dict, hardware: Hardware, precision: str, note: str = "") -> P
             line = f"{rule.reason}; {rule.policy} {speed:.2f}x float32's speed ({measured})"
             return PolicyChoice(rule.policy, line, rule.warning)
         measured += f"; overrides the compute-capability rule's {rule.policy}, {speed:.2f}x"
-    fastest = max(speeds, key=speeds.get)
+    # On CPUs only bfloat16 competes: float16 training there costs far more than the probe's
+    # matmul and convolution show (loss scaling and float16 kernels, ~100x float32 for a small CNN
+    # on AVX2 and AVX-512 hosts alike, issue 31); it stays in the table, chosen on GPUs only.
+    candidates = probe.HALF_DTYPES if device == "GPU" else ("bfloat16",)
+    fastest = max(candidates, key=speeds.get)
     policy, speed = f"mixed_{fastest}", speeds[fastest]
     if speed >= MARGIN:
         line = f"{asked}: {policy} {speed:.2f}x float32's speed on this {device} ({measured})"
