@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 import tensorflow as tf
+from conftest import run_python
 
 from tfmp import precision
 from tfmp.errors import UsageError
@@ -213,3 +214,24 @@ def test_real_probe_on_this_host(tmp_path):
         )
     printed = probe.format_table(table)
     assert printed.splitlines()[1].split() == list(probe.DTYPES) and "vs float32" in printed
+
+
+@pytest.mark.slow
+def test_app_with_mixed_runs_float32_and_its_run_card_says_why(tmp_path):
+    """apps.classify --mixed with the probe on, reading a cached table (written here for this
+    host's key) where bfloat16 runs at half float32's speed: the run is float32, the card says why."""
+    cache = tmp_path / "cache"
+    probe.cached_timings(str(cache / "tfmp" / probe.CACHE_FILE), lambda: _table(0.5, 0.25))
+    result = run_python(
+        ["-m", "apps.classify", "--mixed", "--model=lenet", "--dataset=digits", "--image_size=16"]
+        + ["--global_batch_size=8", "--steps=2", f"--model_dir={tmp_path / 'run'}"],
+        env={probe.ENVIRONMENT_VARIABLE: "on", "XDG_CACHE_HOME": str(cache)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = json.load(open(tmp_path / "run" / "run_card.json"))
+    assert card["precision"].startswith(
+        "float32 (--mixed: mixed_bfloat16 0.50x float32's speed on this CPU, under the 1.1x needed "
+        "(probe cached 20"
+    )
+    assert card["precision"].endswith("): using float32; --precision=mixed_bfloat16 forces it)")
+    assert "precision float32" in result.stdout
