@@ -13,6 +13,7 @@ import pathlib
 import pytest
 from conftest import ROOT, run_python
 
+from tfmp.bench import cell as bench_cell
 from tfmp.bench import matrix as bench
 from tfmp.bench import peak as bench_peak
 from tfmp.bench import report as bench_report
@@ -69,6 +70,7 @@ def test_bench_json_has_the_documented_schema_and_table(tiny_report):
     assert stdout.count("[1/") == 2  # a progress line before and after each cell
     assert "peak method: best of square matmuls 32/64 x 2 timed calls of >= 0.01 s" in stdout
     assert "live peak memory mixed_bfloat16 / float32: mnist_mlp batch 16" in stdout
+    assert "\nprecision probe (matmul" in stdout and "\n  would choose: --mixed: " in stdout
     engine = [c for c in report["cells"] if c["kind"] == "engine"]
     assert len(engine) == 4  # 2 precisions x (1, 2 replicas)
     for cell in engine:
@@ -318,3 +320,18 @@ def test_validate_refuses_bad_matrices(changes, message):
     config = bench.BenchConfig(**dict(dict(models=["lenet"], precisions=["float32"]), **changes))
     with pytest.raises(UsageError, match=message):
         bench.validate(config, ENVIRONMENT)
+
+
+def test_precision_probe_cell_prints_beside_the_peaks():
+    """The probe --mixed and --precision=auto choose by, measured in a cell of its own (about a
+    second): its table and both choices follow the matmul peaks. Which precision is faster is
+    this host's business: only the form is checked."""
+    probe_cell = {"kind": "precision_probe"}
+    assert probe_cell in bench.cells(bench.BenchConfig(models=["lenet"], precisions=["float32"]), ENVIRONMENT)
+    probe_cell["result"] = bench_cell.precision_probe()
+    schema._fields("probe.result", probe_cell["result"], schema.PRECISION_PROBE_RESULT, exact=True)
+    assert bench_runner._headline(probe_cell["result"]).startswith("bfloat16 ")
+    lines = bench_report.peak_lines([probe_cell])
+    assert lines[0].startswith("precision probe (matmul 256x512") and lines[-3].startswith("  vs float32")
+    assert lines[-2].startswith("  would choose: auto: ")
+    assert lines[-1].startswith("  would choose: --mixed: ")

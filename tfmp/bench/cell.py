@@ -60,6 +60,7 @@ from tfmp.bench.matrix import RESULT_PREFIX
 from tfmp.classification import data
 from tfmp.detection import faster_rcnn, retinanet
 from tfmp.distribute import strategies as distribute
+from tfmp.precision import probe
 from tfmp.training.engine import Engine
 
 
@@ -73,6 +74,19 @@ def environment() -> dict:
         "gpus": [gpu.name for gpu in tf.config.list_physical_devices("GPU")],
         "cpu_fast_bfloat16": precision.detect_hardware().cpu_fast_bfloat16,
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
+    }
+
+
+def precision_probe() -> dict:
+    """The probe `--mixed` and `--precision=auto` choose by, measured afresh (not the cache): its
+    table, printed lines and what each of the two would choose from it here."""
+    table = probe.measure()
+    hardware = precision.detect_hardware()
+    return {
+        "table": table,
+        "speedups": probe.speedups(table),
+        "lines": probe.format_table(table).splitlines(),
+        "choices": {asked: precision.choose(table, hardware, asked).reason for asked in ("auto", "mixed")},
     }
 
 
@@ -204,6 +218,8 @@ def measure(cell: dict) -> dict:
         return environment()
     if cell["kind"] == "peak":
         return bench_peak.measure(cell["precision"], cell["sizes"], cell["repeats"], cell["min_call_seconds"])
+    if cell["kind"] == "precision_probe":
+        return precision_probe()
     if cell["kind"] == "python_threads":
         return python_threads.measure(cell["unit_seconds"])
     if cell["kind"] == "input_cost":

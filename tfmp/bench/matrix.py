@@ -243,7 +243,8 @@ def setting_groups(config: BenchConfig, environment: Environment, model: str):
 
 
 def cells(config: BenchConfig, environment: Environment) -> list[dict]:
-    """The measurements to take: engine cells, references, and one matmul peak per precision."""
+    """The measurements to take: engine cells, references, one matmul peak per precision and the
+    precision probe."""
     # One matmul peak per concrete policy ("auto" and "mixed" resolve to one of them here).
     policies = dict.fromkeys(environment.policies[p] for p in config.precisions)
     result = [
@@ -256,6 +257,8 @@ def cells(config: BenchConfig, environment: Environment) -> list[dict]:
         }
         for policy in policies
     ]
+    # What --mixed and --precision=auto measure to choose (tfmp.precision.probe), beside the peaks.
+    result.append({"kind": "precision_probe"})
     for model in config.models:
         for group in setting_groups(config, environment, model):
             result += _group_cells(config, environment, dict(shared_settings(config), **group))
@@ -312,6 +315,8 @@ def input_cost_cells(config: BenchConfig, environment: Environment) -> list[dict
 def describe_cell(cell: dict) -> str:
     if cell["kind"] in studies.KINDS or cell.get("study") == "threads":
         return studies.describe(cell)
+    if cell["kind"] == "precision_probe":
+        return "precision probe: matmul and convolution, float32 / bfloat16 / float16"
     if cell["kind"] == "peak":
         return f"matmul peak {cell['precision']} (sizes {'/'.join(map(str, cell['sizes']))})"
     if cell["kind"] == "input_cost":

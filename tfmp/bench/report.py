@@ -364,7 +364,8 @@ def layer_profile_table(cell: dict, top: int = 8) -> str:
 
 
 def peak_lines(cells: list[dict]) -> list[str]:
-    """Each precision's matmul peak (what "% peak" divides by), every size's best, the method."""
+    """Each precision's matmul peak (what "% peak" divides by), every size's best, the method;
+    then the precision probe's table and what --precision=auto and --mixed choose from it."""
     lines = []
     for cell in cells:
         if cell["kind"] == "peak":
@@ -376,6 +377,10 @@ def peak_lines(cells: list[dict]) -> list[str]:
             )
     methods = dict.fromkeys(c["result"]["method"] for c in cells if c["kind"] == "peak")
     lines += [f"peak method: {method}; % peak = model FLOP/s / this peak" for method in methods]
+    for cell in cells:
+        if cell["kind"] == "precision_probe" and "result" in cell:
+            lines += cell["result"]["lines"]
+            lines += [f"  would choose: {line}" for line in cell["result"]["choices"].values()]
     return lines
 
 

@@ -121,6 +121,9 @@ def _headline(result: dict) -> str:
         return (
             f"Keras {result['keras_ms']:.2f} ms, fused {result['fused_ms']:.2f} ms ({result['value']:.2f}x)"
         )
+    if "choices" in result:  # the precision probe
+        speeds = ", ".join(f"{dtype} {speed:.2f}x" for dtype, speed in result["speedups"].items())
+        return f"{speeds} float32's speed"
     if "ratios" in result:  # an input cost
         return ", ".join(f"{name} {value:.2f}" for name, value in result["ratios"].items())
     if "rows" in result:

@@ -172,6 +172,13 @@ RATIOS = {
     },
 }
 
+# The precision probe (kind "precision_probe", tfmp.precision.probe), measured beside the peaks.
+PRECISION_PROBE_RESULT = {
+    "table": "object",  # {dtype: {workload: median seconds per call}}
+    "speedups": "object",  # {half dtype: float32's time / its time}
+    "lines": "list",  # the table as printed
+    "choices": "object",  # {"auto" | "mixed": the run card's line for that choice here}
+}
 BN_STUDY_RESULT = {
     "policy": "string",
     "layer": "string",  # "BatchNormalization" or "GroupNormalization(G)"
@@ -306,6 +313,8 @@ def check(report: dict) -> None:
             _fields(f"{where}.result", cell["result"], PEAK_RESULT, exact=True)
             for size in cell["result"]["sizes"]:
                 _fields(f"{where}.result.sizes[]", size, PEAK_SIZE, exact=True)
+        elif cell["kind"] == "precision_probe":
+            _fields(f"{where}.result", cell["result"], PRECISION_PROBE_RESULT, exact=True)
         elif cell["kind"] == "bn_study":
             _fields(f"{where}.result", cell["result"], BN_STUDY_RESULT, exact=True)
     _ratio_rows(report["ratios"], RATIOS)

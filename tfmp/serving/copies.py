@@ -29,7 +29,9 @@ _FOLDABLE = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D, kera
 def layer_policy(precision: str) -> str:
     """The Keras dtype policy of an inference copy's layers for an export precision."""
     if precision == "mixed":
-        return precisions.resolve("mixed").policy  # mixed_bfloat16 on CPU, mixed_float16 on GPU
+        # By the hardware rule, not the speed probe: an exported file's dtypes must not depend on
+        # how fast the exporting host ran a probe (mixed_bfloat16 on CPU, mixed_float16 on GPU).
+        return precisions.by_rule("mixed", precisions.detect_hardware()).policy
     return precision
 
 
