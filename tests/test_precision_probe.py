@@ -235,3 +235,25 @@ def test_app_with_mixed_runs_float32_and_its_run_card_says_why(tmp_path):
     )
     assert card["precision"].endswith("): using float32; --precision=mixed_bfloat16 forces it)")
     assert "precision float32" in result.stdout
+
+
+@pytest.mark.slow
+def test_app_with_an_unwritable_cache_measures_and_runs(tmp_path):
+    """The cache directory cannot be made (its parent is a file): the app measures, runs on, and
+    the card says the table was not cached; a bad TFMP_PRECISION_PROBE is one error line."""
+    (tmp_path / "a_file").write_text("")
+    app = ["-m", "apps.classify", "--mixed", "--model=lenet", "--dataset=digits", "--image_size=16"]
+    app += ["--global_batch_size=8", "--steps=2"]
+    result = run_python(
+        app + [f"--model_dir={tmp_path / 'run'}"],
+        env={probe.ENVIRONMENT_VARIABLE: "on", "XDG_CACHE_HOME": str(tmp_path / "a_file")},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = json.load(open(tmp_path / "run" / "run_card.json"))
+    assert "(probe measured now, not cached (Not a directory))" in card["precision"]
+    assert (
+        "Traceback" not in result.stdout + result.stderr and "WARNING: precision probe" not in result.stdout
+    )
+    refused = run_python(app + [f"--model_dir={tmp_path / 'refused'}"], env={probe.ENVIRONMENT_VARIABLE: "1"})
+    assert refused.returncode == 2 and not (tmp_path / "refused").exists()
+    assert "error: TFMP_PRECISION_PROBE='1': use on (measure, the default) or off" in refused.stderr
