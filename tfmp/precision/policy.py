@@ -5,8 +5,10 @@
     choice.policy, choice.reason, choice.warning
 
 A policy keeps variables in float32 ("master weights") and computes in float16 or bfloat16.
-`auto` picks the fastest policy the hardware runs well; `mixed` (what `--mixed` asks for) picks
-the best *mixed* policy and, where that policy is slow on this hardware, says so once.
+`auto` and `mixed` (what `--mixed` asks for) time this host (`tfmp.precision.probe`, cached) and
+`choose` a half precision only where it beats float32 by MARGIN, else float32, saying why in
+`choice.reason` (the run card's line). `by_rule` is the choice from the hardware alone: with
+TFMP_PRECISION_PROBE=off, with several workers, and when the probe fails (one warning line).
 """
 
 from __future__ import annotations
