@@ -194,7 +194,7 @@ def by_rule(precision: str, hardware: Hardware) -> PolicyChoice:
     if precision == "mixed_float16" and not capabilities:
         warning = (
             "mixed_float16 on a CPU: float16 kernels are emulated and much slower than "
-            "float32 (4-6x slower measured for a small CNN); use it here only to test the GPU path"
+            "float32 (3.5-6x slower measured for a small CNN); use it here only to test the GPU path"
         )
     return PolicyChoice(precision, "requested", warning)
 
