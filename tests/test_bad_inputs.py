@@ -99,6 +99,14 @@ APP_CASES = [
     ("classify", ["--warmup_steps=-1"], {}, "--warmup_steps=-1 must be 0"),
     ("classify", ["--seed=-1"], {}, "--seed=-1 must be from 0 to 2**32 - 1"),
     ("classify", ["--image_size=0"], {}, "--image_size=0 must be a positive number of pixels"),
+    (
+        "classify",
+        ["--model=vit_tiny", "--image_size=30"],
+        {},
+        "model 'vit_tiny' cuts images into 4x4 patches, and 30x30 is not a multiple of 4; use images of "
+        "28x28 or 32x32 (--image_size=28 or 32 in the apps)",
+    ),
+    ("classify", ["--model=vit_b16", "--image_size=40"], {}, "use images of 32x32 or 48x48"),
     ("classify", ["--reference_batch_size=0"], {}, "--reference_batch_size=0 must be positive"),
     ("classify", ["--intra_op_threads=-1"], {}, "--intra_op_threads=-1 must be 0"),
     ("classify", ["--prune_sparsity=1.5"], {}, "prune sparsity 1.5 must be in [0, 1)"),

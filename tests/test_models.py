@@ -24,9 +24,11 @@ SMALL_INPUT_SHAPES = {
     "resnet20": (32, 32, 3),
     "resnet56": (32, 32, 3),
     "resnet50": (32, 32, 3),
+    "vit_tiny": (32, 32, 3),
+    "vit_b16": (32, 32, 3),
 }
 # The deep ones are only built: a forward pass through them adds seconds and tests nothing new.
-FORWARD_PASS_MODELS = ("seed_cnn", "lenet", "mnist_mlp", "resnet20")
+FORWARD_PASS_MODELS = ("seed_cnn", "lenet", "mnist_mlp", "resnet20", "vit_tiny")
 HEAD_SUFFIXES = ("_logits", "_probs")
 
 
@@ -45,7 +47,7 @@ def is_head(layer: keras.layers.Layer) -> bool:
     return layer.name.endswith(HEAD_SUFFIXES)
 
 
-def test_registry_lists_the_six_models():
+def test_registry_lists_every_model():
     assert sorted(MODELS) == sorted(SMALL_INPUT_SHAPES)
 
 
@@ -112,7 +114,10 @@ def test_unknown_model_lists_the_choices():
         build("nope", (28, 28, 1), 10)
     message = str(error.value)
     assert "'nope'" in message
-    assert "choose one of: lenet, mnist_mlp, resnet20, resnet50, resnet56, seed_cnn" in message
+    assert (
+        "choose one of: lenet, mnist_mlp, resnet20, resnet50, resnet56, seed_cnn, vit_b16, vit_tiny"
+        in message
+    )
 
 
 @pytest.mark.parametrize(
