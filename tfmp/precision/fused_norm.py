@@ -1,10 +1,16 @@
-"""BatchNormalization on TensorFlow's fused kernel and GroupNormalization on a kernel of tfmp's,
-in place: half precision stays half.
+"""BatchNormalization on TensorFlow's fused kernel, GroupNormalization, LayerNormalization,
+RMSNormalization and MultiHeadAttention's softmax on kernels of tfmp's, in place: half precision
+stays half.
 
     from tfmp.precision.fused_norm import fuse_normalization
     result = fuse_normalization(model)      # any built keras.Model: functional, Sequential, nested
     result.fused                            # ("resnet/conv1_bn", ...) now on the fused kernels
     result.left_alone                       # (("resnet/head_bn", "2-D input"), ...)
+
+Every normalization and attention layer of the model is listed, fused or left alone with the
+reason: Keras' classes (and their subclasses) by type, and any other layer holding no layers of
+its own whose class name says normalization or attention (keras-hub's `RMSNormalization`, a
+`keras.layers.UnitNormalization`, ...) by name, left alone as a computation tfmp does not know.
 
 Why: Keras 3.15's `BatchNormalization.call` casts a float16/bfloat16 input to float32
 (keras/src/layers/normalization/batch_normalization.py:348) and normalises with separate
@@ -31,6 +37,19 @@ Bessel-corrected variance converted back to Keras' biased one for the moving var
 statistics in inference and for a frozen layer (`trainable=False`), the same moving-average
 update, `momentum`, `epsilon`, `center`, `scale`. A call with a mask runs Keras' own `call`.
 
+LayerNormalization (`rms_scaling=True` too) and RMSNormalization go to
+`tfmp.precision.layer_norm` (float32 statistics per normalised row, one rounding, a hand-written
+gradient that keeps the half-precision input and two float32 numbers per row; why not tf.keras
+2's FusedBatchNormV3 reshape: that module's docstring). Left alone there: axes other than the
+trailing ones, float64, subclasses that override `call`, layers not built yet.
+
+MultiHeadAttention's attention core goes to `tfmp.precision.attention` (the softmax in float32
+as Keras computes it, the probabilities the backward pass keeps in the compute dtype): its
+`_compute_attention`, Keras' documented hook, is replaced on the instance instead of `call`.
+Left alone there: `dropout` > 0 and attention over several axes (Keras' explicit path already
+keeps half-precision probabilities), subclasses that override `call` or `_compute_attention`
+(keras-hub's `CachedMultiHeadAttention`), `flash_attention=True`, float64, layers not built.
+
 Left alone, with the reason: other ranks than 4, axes other than channels-last or channels-first
 (NCHW runs in the kernel itself: on CPU it transposes internally, cuDNN takes it natively),
 `synchronized=True`, `renorm=True`, float64, subclasses that override `call`, layers not built
@@ -55,17 +74,29 @@ The route depends on (Keras 3.15.1 / TensorFlow 2.21):
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 
 import keras
 import tensorflow as tf
 
 from tfmp.errors import UsageError
-from tfmp.precision import group_norm
+from tfmp.precision import attention, group_norm, layer_norm
 
 FUSED_DTYPES = ("float16", "bfloat16", "float32")
 # MIOpen (ROCm) refuses epsilon below 1e-5, and a float32 1e-5 is just below that.
 ROCM_MIN_EPSILON = 1.001e-5
+# The Keras classes fuse_normalization computes (each with its subclasses).
+FUSABLE = (
+    keras.layers.BatchNormalization,
+    keras.layers.GroupNormalization,
+    keras.layers.LayerNormalization,
+    keras.layers.RMSNormalization,
+    keras.layers.MultiHeadAttention,
+)
+# Other layers listed (left alone) by their class name: keras-hub's normalization layers,
+# keras.layers.UnitNormalization, GroupedQueryAttention, ...
+LISTED_BY_NAME = re.compile("Norm|Attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +108,9 @@ class FusedNormalization:
 
 
 def fuse_normalization(model) -> FusedNormalization:
-    """Makes every BatchNormalization and GroupNormalization in `model` that the fused kernels
-    can compute use them, in place, from the next call (re-trace a `tf.function` that already
-    traced the model).
+    """Makes every BatchNormalization, GroupNormalization, LayerNormalization, RMSNormalization
+    and MultiHeadAttention in `model` that the fused kernels can compute use them, in place, from
+    the next call (re-trace a `tf.function` that already traced the model).
 
     Each layer is listed once, by the first path that reaches it; fusing twice changes nothing.
     """
@@ -97,13 +128,13 @@ def fuse_normalization(model) -> FusedNormalization:
         if not is_fused(layer):
             # A bound method in the instance's __dict__: Operation.__call__ finds it before the
             # class's. Copies (deepcopy, clone_model, load_model) go through the config: unfused.
-            layer.call = types.MethodType(_fused_call_of(layer), layer)
+            setattr(layer, _replaced(layer), types.MethodType(_fused_call_of(layer), layer))
         fused.append(path)
     return FusedNormalization(tuple(fused), tuple(left_alone))
 
 
 def unfused(model: keras.Model) -> tuple[str, ...]:
-    """Paths of the normalization layers `fuse_normalization` would fuse and has not."""
+    """Paths of the normalization and attention layers `fuse_normalization` would fuse and has not."""
     return tuple(
         path for path, layer in _norms(model) if unfusable_reason(layer) is None and not is_fused(layer)
     )
@@ -122,23 +153,38 @@ def status(model: keras.Model) -> FusedNormalization:
 
 def is_fused(layer) -> bool:
     """Whether `layer` runs `fuse_normalization`'s fused call."""
-    call = vars(layer).get("call")
+    call = vars(layer).get(_replaced(layer))
     return getattr(call, "__func__", None) is _fused_call_of(layer)
+
+
+def _replaced(layer) -> str:
+    """The method fusing replaces on the instance: MultiHeadAttention keeps Keras' `call`."""
+    return "_compute_attention" if isinstance(layer, keras.layers.MultiHeadAttention) else "call"
 
 
 def _fused_call_of(layer):
     if isinstance(layer, keras.layers.GroupNormalization):
         return group_norm.fused_call
+    if isinstance(layer, (keras.layers.LayerNormalization, keras.layers.RMSNormalization)):
+        return layer_norm.fused_call
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        return attention.fused_compute_attention
     return _fused_call
 
 
 def unfusable_reason(layer) -> str | None:
-    """Why the fused kernel cannot stand in for this BatchNormalization or GroupNormalization,
-    or None if it can."""
-    if "call" in vars(layer) and not is_fused(layer):
-        return "its call was already replaced on the instance"
+    """Why the fused kernel cannot stand in for this normalization or attention layer, or None
+    if it can."""
+    if not isinstance(layer, FUSABLE):
+        return f"{type(layer).__module__}.{type(layer).__qualname__}: not a layer tfmp fuses (its own computation)"
+    if _replaced(layer) in vars(layer) and not is_fused(layer):
+        return f"its {_replaced(layer)} was already replaced on the instance"
     if isinstance(layer, keras.layers.GroupNormalization):
         return group_norm.unfusable_reason(layer)
+    if isinstance(layer, (keras.layers.LayerNormalization, keras.layers.RMSNormalization)):
+        return layer_norm.unfusable_reason(layer)
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        return attention.unfusable_reason(layer)
     if type(layer).call is not keras.layers.BatchNormalization.call:
         return f"{type(layer).__name__} overrides call"
     if layer.synchronized:
@@ -159,15 +205,16 @@ def unfusable_reason(layer) -> str | None:
 
 
 def _norms(layer, path=None, seen=None):
-    """(path, layer) for each distinct Batch- or GroupNormalization reachable from `layer`, in
-    order."""
+    """(path, layer) for each distinct normalization or attention layer reachable from `layer`
+    (FUSABLE's classes, and layers without sublayers named like one), in order."""
     path, seen = path or layer.name, seen or {id(layer)}
     for child in _sublayers(layer):
         if id(child) in seen:
             continue
         seen.add(id(child))
         child_path = f"{path}/{child.name}"
-        if isinstance(child, (keras.layers.BatchNormalization, keras.layers.GroupNormalization)):
+        children = _sublayers(child)
+        if isinstance(child, FUSABLE) or (not children and LISTED_BY_NAME.search(type(child).__name__)):
             yield child_path, child
         yield from _norms(child, child_path, seen)
 
