@@ -9,7 +9,7 @@
 starts without importing TensorFlow.
 """
 
-__all__ = ["fit", "evaluate", "fuse_normalization"]
+__all__ = ["fit", "evaluate", "predict", "fuse_normalization"]
 
 
 def __getattr__(name):

@@ -15,12 +15,16 @@ versions that test passes on.
     Optimizer._distribution_strategy        the strategy an optimizer was made in, whose scope
                                             its slots must be built in (tfmp.fit)
     tensorflow.python.eager.context         the coordination service's barrier (multi-worker)
+    keras.src.trainers.data_adapters        a PyDataset or Python generator as tf.data, exactly as
+      .get_data_adapter                     model.fit reads it (workers, on_epoch_end; tfmp.fit)
+    Model._initial_epoch                    the epoch BackupAndRestore restored (tfmp.fit)
 """
 
 from __future__ import annotations
 
 import keras
 import tensorflow as tf
+from keras.src.trainers import data_adapters as keras_data_adapters
 from tensorflow.python.eager import context as eager_context
 
 
@@ -74,3 +78,22 @@ def optimizer_strategy(optimizer: keras.optimizers.Optimizer) -> tf.distribute.S
 def wait_at_barrier(barrier_id: str, timeout_ms: int) -> None:
     """Blocks until every task of the coordination service (every worker) reaches `barrier_id`."""
     eager_context.context().wait_at_barrier(barrier_id, timeout_ms)
+
+
+def keras_data_adapter(data, shuffle: bool):
+    """Keras' own adapter for a `keras.utils.PyDataset` or a Python generator: `get_tf_dataset()`,
+    `num_batches` (None: unknown or endless), `on_epoch_end()`. `model.fit` reads these through
+    it; there is no public equivalent."""
+    return keras_data_adapters.get_data_adapter(data, shuffle=shuffle)
+
+
+def restored_epoch(model: keras.Model) -> int | None:
+    """The epoch `keras.callbacks.BackupAndRestore` restored in `on_train_begin` (it sets the
+    model's private `_initial_epoch`, which `model.fit` reads), or None."""
+    return getattr(model, "_initial_epoch", None)
+
+
+def clear_restored_epoch(model: keras.Model) -> None:
+    """Forgets the restored epoch once a fit has used it (BackupAndRestore sets it again)."""
+    if hasattr(model, "_initial_epoch"):
+        model._initial_epoch = None

@@ -1,7 +1,7 @@
 """A user's data for `tfmp.fit` / `tfmp.evaluate`, and every check that would otherwise fail
 inside a step or after an epoch, made before anything is written.
 
-    train = FitData(x, y, None, batch_size, shuffle=True, seed=0, what="training data")
+    train = fit_inputs.of(x, y, None, batch_size, True, 0, None, "training data")
     check_data(model, strategy, train, validation)   # label types and values, shapes, the model's build
 
 Labels are checked against the compiled loss where it says what it takes (class ids below the
@@ -11,68 +11,18 @@ symbolically for the data's spec, so a shape mismatch is one UsageError, not a t
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfmp import compat
 from tfmp.errors import UsageError
-
-
-class FitData:
-    """A user's training or evaluation data as global batches, re-creatable per epoch."""
-
-    def __init__(self, x, y, sample_weight, batch_size, shuffle, seed, what):
-        self.what = what
-        if isinstance(x, tf.data.Dataset):
-            if y is not None:
-                raise UsageError(f"{what}: y must be None when x is a tf.data.Dataset (it yields (x, y))")
-            self._make = lambda epoch: x
-        else:
-            if batch_size is None:
-                raise UsageError(f"{what}: NumPy inputs need batch_size= (the global batch size)")
-            arrays = tuple(item for item in (x, y, sample_weight) if item is not None)
-            arrays = arrays if len(arrays) > 1 else arrays[0]
-            size = len(tf.nest.flatten(x)[0])
-            self._sample = (x, y, sample_weight)  # in memory already: every label is checked
-
-            def make(epoch):
-                dataset = tf.data.Dataset.from_tensor_slices(arrays)
-                if shuffle:
-                    dataset = dataset.shuffle(size, seed=seed + epoch)
-                return dataset.batch(batch_size)
-
-            self._make = make
-        self.element_spec = self._make(0).element_spec
-        cardinality = int(self._make(0).cardinality())
-        self.batches = cardinality if cardinality >= 0 else None  # None: infinite or unknown
-        self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
-        self.global_batch_size = batch_size or self._first_batch_rows()
-
-    def sample(self) -> tuple | None:
-        """(x, y, sample_weight) to check: all of NumPy data, a dataset's first batch (None: empty)."""
-        if not hasattr(self, "_sample"):
-            first = next(iter(self._make(0).take(1)), None)
-            self._sample = None if first is None else _x_y_weight(first)
-        return self._sample
-
-    def _first_batch_rows(self) -> int:
-        first = self.sample()
-        if first is None:
-            raise UsageError(f"{self.what}: the dataset is empty")
-        return int(tf.shape(tf.nest.flatten(first[0])[0])[0])
-
-    def dataset(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
-        return self._make(epoch).skip(skip_batches) if skip_batches else self._make(epoch)
-
-
-def _x_y_weight(element) -> tuple:
-    """(x, y, sample_weight) of a Keras element (tfmp's padded eval 4-tuple: its first three)."""
-    if isinstance(element, (list, tuple)):
-        return (tuple(element) + (None, None))[:3] if len(element) > 1 else (element[0], None, None)
-    return element, None, None
+from tfmp.training import fit_inputs
+from tfmp.training.fit_inputs import FitData, x_y_weight
 
 
 def _label_rule(loss) -> tuple[str, str, object] | None:
@@ -135,7 +85,7 @@ def _labelled_outputs(model: keras.Model, y, widths: dict) -> list[tuple[str, tu
 
 def check_label_types(model: keras.Model, data: FitData) -> None:
     """String labels for a Keras loss (TF would fail inside the first step): one line, the fix."""
-    y = _x_y_weight(data.element_spec)[1]
+    y = x_y_weight(data.element_spec)[1]
     for key, (_, name, _), labels, _ in _labelled_outputs(model, y, {}):
         if any(spec.dtype == tf.string for spec in tf.nest.flatten(labels)):
             where = f" for output {key!r}" if key else ""
@@ -151,7 +101,7 @@ def check_label_values(model: keras.Model, data: FitData) -> None:
     sample = data.sample()
     if not sample or sample[1] is None:
         return
-    widths = _output_widths(model, _x_y_weight(data.element_spec)[0])
+    widths = _output_widths(model, x_y_weight(data.element_spec)[0])
     for key, (kind, name, ignore_class), labels, width in _labelled_outputs(model, sample[1], widths):
         try:
             values = np.asarray(labels)
@@ -210,8 +160,8 @@ def _check_validation_fits(model: keras.Model, train: FitData, validation: FitDa
 
     Batches shaped like the training data's fit; others are traced through the model and the
     compiled loss (a graph is built, nothing is computed), which finds what does not fit."""
-    x, y, sample_weight = _x_y_weight(validation.element_spec)
-    if _same_shapes(_x_y_weight(train.element_spec)[:2], (x, y)):
+    x, y, sample_weight = x_y_weight(validation.element_spec)
+    if _same_shapes(x_y_weight(train.element_spec)[:2], (x, y)):
         return
 
     def loss(x, y, sample_weight):
@@ -224,7 +174,7 @@ def _check_validation_fits(model: keras.Model, train: FitData, validation: FitDa
         shapes = lambda spec: tf.nest.map_structure(lambda s: tuple(s.shape), spec[:2])  # noqa: E731
         raise UsageError(
             f"validation_data do not fit model {model.name!r} ({_error_line(error)}); validation (x, y) "
-            f"{shapes((x, y))} vs training {shapes(_x_y_weight(train.element_spec))}: "
+            f"{shapes((x, y))} vs training {shapes(x_y_weight(train.element_spec))}: "
             "give validation_data the training data's shapes"
         ) from None
 
@@ -258,16 +208,30 @@ def build_for_data(model: keras.Model, strategy, element_spec) -> None:
         ) from None
 
 
-def steps_per_epoch_of(train: FitData, steps_per_epoch: int | None) -> int:
-    steps_per_epoch = steps_per_epoch or train.batches
-    if not steps_per_epoch:
-        raise UsageError("the training dataset's length is unknown or infinite; pass steps_per_epoch=")
-    if train.batches is not None and steps_per_epoch > train.batches:
+def steps_per_epoch_of(train: FitData, steps_per_epoch: int | None, multi_worker: bool) -> int:
+    """The epoch's length: `steps_per_epoch`, else one pass of the data (counted once when the
+    data do not say, as Keras learns it in the first epoch)."""
+    if train.kind in ("PyDataset", "generator") and multi_worker:
         raise UsageError(
-            f"steps_per_epoch={steps_per_epoch} is more than the {train.batches} batches "
-            "of the training data; repeat the dataset or lower steps_per_epoch"
+            f"{train.what}: a {train.kind} runs in each worker's process and every worker would read all "
+            "of it; give tfmp.fit a tf.data.Dataset (e.g. from_tensor_slices of the arrays, or files "
+            "each worker shards) under several workers"
         )
-    return steps_per_epoch
+    if steps_per_epoch:
+        return steps_per_epoch
+    if train.infinite:
+        raise UsageError(f"{train.what}: the dataset is endless; pass steps_per_epoch=")
+    if train.batches is None and not train.repeatable:
+        raise UsageError(
+            f"{train.what}: a Python generator has no length and is read once; pass steps_per_epoch= "
+            "(with a generator that loops: `while True: ... yield`)"
+        )
+    if train.batches is None:
+        train.batches = int(train.dataset(0).reduce(np.int64(0), lambda count, _: count + 1))
+        logging.info("%s: %d batches per pass (counted: the dataset does not say)", train.what, train.batches)
+    if train.batches == 0:
+        raise UsageError(f"{train.what}: the data are empty")
+    return train.batches
 
 
 def check_data(model: keras.Model, strategy, train: FitData, validation: FitData | None) -> None:
@@ -282,15 +246,14 @@ def check_data(model: keras.Model, strategy, train: FitData, validation: FitData
 
 
 def validation_data_of(validation_data, batch_size: int) -> FitData:
-    if isinstance(validation_data, tf.data.Dataset):
-        return FitData(validation_data, None, None, None, False, 0, "validation data")
+    """Keras' `validation_data`: a dataset, a PyDataset, a generator, or (x, y[, sample_weight])."""
+    if isinstance(validation_data, (tf.data.Dataset, keras.utils.PyDataset)) or inspect.isgenerator(
+        validation_data
+    ):
+        return fit_inputs.of(validation_data, None, None, None, False, 0, None, "validation data")
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
-        raise UsageError("validation_data must be a tf.data.Dataset or a tuple (x, y[, sample_weight])")
-    return FitData(
-        *validation_data[:2],
-        validation_data[2] if len(validation_data) == 3 else None,
-        batch_size,
-        False,
-        0,
-        "validation data",
-    )
+        raise UsageError(
+            "validation_data must be a tf.data.Dataset, a PyDataset, a generator or a tuple (x, y[, sample_weight])"
+        )
+    x, y, sample_weight = (tuple(validation_data) + (None,))[:3]
+    return fit_inputs.of(x, y, sample_weight, batch_size, False, 0, None, "validation data")

@@ -40,7 +40,6 @@ batch), and `model_dir` is a directory this process can write.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import keras
 import tensorflow as tf
@@ -50,11 +49,11 @@ from tfmp import precision, run_dir, write_faults
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError, WriteFailed
 from tfmp.precision import fused_norm
-from tfmp.training import fit_data
+from tfmp.training import fit_data, fit_inputs, run_card
 from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.engine import Engine
 from tfmp.training.loop import Loop, LoopSettings
-from tfmp.training.reporting import Reporter
+from tfmp.training.reporting import Reporter, format_run_card
 
 
 def model_strategy(model: keras.Model) -> tf.distribute.Strategy:
@@ -88,113 +87,123 @@ def _check_compiled(model: keras.Model) -> None:
         )
 
 
-FUSE_HINT = (
-    "tfmp.fuse_normalization(model) before fit would compute them with TensorFlow's fused kernel: "
-    "half-precision activations stay half (Keras' layer keeps float32 copies for the backward pass), "
-    "the same numbers within rounding, the same weights and .keras file"
-)
 _hinted = set()  # models told once about unfused normalization
 
 
 def prepare(model: keras.Model, xla: bool = False) -> tuple[tf.distribute.Strategy, Engine, str | None]:
-    """Strategy, engine and loss-scaling note for a compiled model (shared by fit and evaluate)."""
+    """Strategy, engine and loss-scaling note for a compiled model (shared by fit, evaluate and
+    predict). The engine is kept on the model while the model's compilation, strategy and XLA
+    setting stay the same, so a second call traces nothing again (as Keras keeps
+    `model.train_function`)."""
     _check_compiled(model)
     unfused = fused_norm.unfused(model)
     if unfused and id(model) not in _hinted:
         _hinted.add(id(model))
         logging.warning(
-            "tfmp: %d BatchNormalization/GroupNormalization layer(s) run Keras' layer; %s",
+            "tfmp: %d normalization layer(s) run Keras' layer; %s",
             len(unfused),
-            FUSE_HINT,
+            run_card.FUSE_HINT,
         )
     strategy = model_strategy(model)
     optimizer, note = precision.ensure_loss_scaling(model, strategy)
     if optimizer is not model.optimizer:
         logging.warning("tfmp: %s", note)
         model.optimizer = optimizer
-    return strategy, Engine(strategy, model, optimizer, xla=xla), note
+    key = (id(strategy), id(optimizer), xla, id(model.loss), tuple(map(id, model.metrics)))
+    kept_key, engine = getattr(model, _ENGINE_ATTRIBUTE, (None, None))
+    if kept_key != key:
+        engine = Engine(strategy, model, optimizer, xla=xla)
+        # Not a Keras attribute: set past Layer.__setattr__, which would track it for saving.
+        object.__setattr__(model, _ENGINE_ATTRIBUTE, (key, engine))
+    return strategy, engine, note
+
+
+_ENGINE_ATTRIBUTE = "_tfmp_engine"
 
 
 def fit(
     model: keras.Model,
     x=None,
     y=None,
-    *,
     batch_size: int | None = None,
     epochs: int = 1,
-    steps_per_epoch: int | None = None,
-    validation_data=None,
-    validation_steps: int | None = None,
-    callbacks: list | None = None,
     verbose="auto",
-    model_dir: str | None = None,
-    sample_weight=None,
+    callbacks: list | None = None,
+    validation_split: float = 0.0,
+    validation_data=None,
     shuffle: bool = True,
+    class_weight: dict | None = None,
+    sample_weight=None,
+    initial_epoch: int = 0,
+    steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
+    validation_batch_size: int | None = None,
+    validation_freq: int | list = 1,
+    *,
+    model_dir: str | None = None,
     seed: int = 0,
     steps_per_execution: int = 1,
     xla: bool = False,
     checkpoint_every: int = 0,
     keep_checkpoints: int = 3,
     log_every: int = 50,
+    show_run_card: bool | None = None,
 ) -> keras.callbacks.History:
     """Trains `model` (compiled, built in its strategy's scope) like `model.fit`; returns its History.
 
-    Raises `tfmp.errors.UsageError` (one line, nothing written) for an uncompiled model, a batch
-    not divisible by the replicas, training or validation data that do not fit the model, labels
-    the loss cannot take, a model built outside the strategy's scope, or a `model_dir` that is
-    a file or not writable, or that another run holds; `TrainingDiverged` when the loss becomes
-    non-finite without dynamic loss scaling, or float16 loss scaling keeps skipping (its scale
-    below 1, or `precision.loss_scaling.skip_limit` steps in a row), and its subclass
-    `NonFiniteInput` when the data hold NaN or inf (each names the step; the model keeps its
-    weights of the step before); `Preempted` after saving a checkpoint on SIGTERM (with
-    `model_dir`); `WriteFailed` when a write into `model_dir` fails.
+    Takes `model.fit`'s arguments, in its order and with its defaults and meaning; tfmp's own
+    come after, by keyword: `model_dir` (checkpoints, exact resume, logs), `seed` (array
+    shuffling), `steps_per_execution`, `xla`, `checkpoint_every`, `keep_checkpoints`,
+    `log_every`, and `show_run_card` (default: printed when `model_dir` is given and `verbose`).
+
+    Raises `tfmp.errors.UsageError` (one line, nothing written) for arguments Keras refuses too,
+    an uncompiled model, a batch not divisible by the replicas, data that do not fit the model,
+    labels the loss cannot take, a model built outside the strategy's scope, or a `model_dir`
+    that is a file, not writable, or held by another run; `TrainingDiverged` when the loss becomes
+    non-finite without dynamic loss scaling and without `keras.callbacks.TerminateOnNaN` (with
+    it, training stops and the History returns, as in Keras), or float16 loss scaling keeps
+    skipping, and its subclass `NonFiniteInput` when the data hold NaN or inf (each names the
+    step; the model keeps its weights of the step before); `Preempted` after saving a
+    checkpoint on SIGTERM (with `model_dir`); `WriteFailed` when a write into `model_dir` fails.
     """
-    if epochs < 1 or (steps_per_epoch is not None and steps_per_epoch < 1) or steps_per_execution < 1:
-        raise UsageError(
-            f"epochs={epochs}, steps_per_epoch={steps_per_epoch} and steps_per_execution="
-            f"{steps_per_execution} must be positive"
-        )
+    _check_arguments(epochs, initial_epoch, steps_per_epoch, steps_per_execution, validation_freq)
     model_dir = run_dir.writable_dir(model_dir, "model_dir") if model_dir else None
     _check_compiled(model)
     strategy = model_strategy(model)
-    train = fit_data.FitData(x, y, sample_weight, batch_size, shuffle, seed, "training data")
+    if validation_split and validation_data is None:
+        (x, y, sample_weight), validation_data = fit_inputs.validation_split(
+            x, y, sample_weight, validation_split
+        )
+    train = fit_inputs.of(x, y, sample_weight, batch_size, shuffle, seed, class_weight, "training data")
     distribute.per_replica_batch(train.global_batch_size, strategy)
-    steps_per_epoch = fit_data.steps_per_epoch_of(train, steps_per_epoch)
+    topology = distribute.describe(strategy)
+    steps_per_epoch = fit_data.steps_per_epoch_of(train, steps_per_epoch, topology.workers > 1)
     validation = None
     if validation_data is not None:
-        validation = fit_data.validation_data_of(validation_data, batch_size or train.global_batch_size)
+        validation = fit_data.validation_data_of(validation_data, validation_batch_size or batch_size)
     fit_data.check_data(model, strategy, train, validation)
     strategy, engine, note = prepare(model, xla)
-    topology = distribute.describe(strategy)
+    verbose = verbose if topology.is_chief else 0  # one progress bar for the whole job
+    settings = LoopSettings(
+        total_steps=epochs * steps_per_epoch,
+        steps_per_epoch=steps_per_epoch,
+        global_batch_size=train.global_batch_size,
+        steps_per_execution=steps_per_execution,
+        checkpoint_every=checkpoint_every,
+        log_every=log_every,
+        validation_freq=validation_freq,
+        verbose=verbose,
+    )
     checkpoints = None
     try:
         with contextlib.ExitStack() as stack:  # closes what was opened, then unlocks
-            checkpoints, reporter = _open_run_files(
-                stack, model, engine, model_dir, keep_checkpoints, train.global_batch_size, bool(verbose)
-            )
-            start_step = checkpoints.restore() if checkpoints else 0
-            reporter.run_card(
-                run_card(
-                    model,
-                    engine,
-                    topology,
-                    train.global_batch_size,
-                    steps_per_epoch,
-                    epochs,
-                    start_step,
-                    xla,
-                    note,
-                    model_dir,
-                )
-            )
-            settings = LoopSettings(
-                total_steps=epochs * steps_per_epoch,
-                steps_per_epoch=steps_per_epoch,
-                global_batch_size=train.global_batch_size,
-                steps_per_execution=steps_per_execution,
-                checkpoint_every=checkpoint_every,
-                log_every=log_every,
-            )
+            checkpoints, reporter = _open_run_files(stack, model, engine, model_dir, keep_checkpoints, train)
+            start_step = checkpoints.restore() if checkpoints else 0  # 0: nothing saved yet
+            start_step = start_step or initial_epoch * steps_per_epoch
+            card = run_card.describe_fit(model, engine, topology, settings, start_step, xla, note, model_dir)
+            reporter.run_card(card)
+            if show_run_card or (show_run_card is None and model_dir and verbose):
+                print(format_run_card(card), flush=True)
             data_for_epoch, evaluate = _inputs(engine, train, steps_per_epoch, validation, validation_steps)
             loop = Loop(
                 engine,
@@ -217,7 +226,26 @@ def fit(
     return result.history
 
 
-def _open_run_files(stack, model, engine, model_dir, keep_checkpoints, global_batch_size, verbose):
+def _check_arguments(epochs, initial_epoch, steps_per_epoch, steps_per_execution, validation_freq) -> None:
+    """What Keras refuses (or would fail on later), as one line each."""
+    if epochs < 1 or (steps_per_epoch is not None and steps_per_epoch < 1) or steps_per_execution < 1:
+        raise UsageError(
+            f"epochs={epochs}, steps_per_epoch={steps_per_epoch} and steps_per_execution="
+            f"{steps_per_execution} must be positive"
+        )
+    if initial_epoch < 0:
+        raise UsageError(f"initial_epoch={initial_epoch} must be 0 or more (the epoch to start at)")
+    valid_list = isinstance(validation_freq, list) and all(
+        isinstance(item, int) and item >= 1 for item in validation_freq
+    )
+    if not valid_list and not (isinstance(validation_freq, int) and validation_freq >= 1):
+        raise UsageError(
+            f"validation_freq={validation_freq!r} must be a positive int (validate every Nth epoch) "
+            "or a list of 1-based epochs, as in Keras"
+        )
+
+
+def _open_run_files(stack, model, engine, model_dir, keep_checkpoints, train):
     """(checkpoints or None, reporter): `model_dir` locked by the chief, its checkpoints and the
     reporter opened; `stack` closes them (the reporter as failing, unless closed before)."""
     topology, checkpoints = distribute.describe(engine.strategy), None
@@ -230,12 +258,13 @@ def _open_run_files(stack, model, engine, model_dir, keep_checkpoints, global_ba
             topology.is_chief,
             task_id,
             keep=keep_checkpoints,
-            global_batch_size=global_batch_size,
+            global_batch_size=train.global_batch_size,
             model=model,
             optimizer=engine.optimizer,
         )
         stack.callback(checkpoints.close)
-    reporter = Reporter(model_dir if topology.is_chief else None, verbose=verbose and topology.is_chief)
+    # Keras' progress bar (a callback of the loop's) shows the progress; the reporter writes files.
+    reporter = Reporter(model_dir if topology.is_chief else None, verbose=False)
     stack.callback(reporter.close, failing=True)  # on an error; on success closed before, raising
     return checkpoints, reporter
 
@@ -258,93 +287,82 @@ def _lock(model_dir: str):
 
 def _inputs(engine: Engine, train, steps_per_epoch: int, validation, validation_steps: int | None):
     """The Loop's `data_for_epoch(epoch, steps_done)` and `evaluate()` (None without validation
-    data), distributed by the engine's strategy."""
-    strategy = engine.strategy
+    data), distributed by the engine's strategy.
+
+    Training reads one stream across epochs, as `model.fit` does: an epoch of `steps_per_epoch`
+    shorter than the data continues where the last one stopped. The stream is opened once, at
+    the first epoch this fit runs (at a resumed position, after a checkpoint)."""
+    strategy, state = engine.strategy, {}
 
     def data_for_epoch(epoch, steps_done):
-        if train.infinite:  # one endless stream: position it once
-            steps_done, epoch = epoch * steps_per_epoch + steps_done, 0
-        return iter(strategy.experimental_distribute_dataset(train.dataset(epoch, steps_done)))
+        if "iterator" not in state:
+            stream = train.stream(epoch * steps_per_epoch + steps_done)
+            state["iterator"] = iter(strategy.experimental_distribute_dataset(stream))
+        return state["iterator"]
 
     def evaluate():
         data = validation.dataset(0)
         data = data.take(validation_steps) if validation_steps else data
         return engine.evaluate(strategy.experimental_distribute_dataset(data))
 
-    return _infinite_once(data_for_epoch, train.infinite), evaluate if validation else None
-
-
-def _infinite_once(data_for_epoch, infinite: bool):
-    """An endless dataset keeps one iterator across epochs (as model.fit does with steps_per_epoch)."""
-    if not infinite:
-        return data_for_epoch
-    state = {}
-
-    def once(epoch, steps_done):
-        if "iterator" not in state:
-            state["iterator"] = data_for_epoch(epoch, steps_done)
-        return state["iterator"]
-
-    return once
+    return data_for_epoch, evaluate if validation else None
 
 
 def evaluate(
     model: keras.Model,
     x=None,
     y=None,
-    *,
     batch_size: int | None = None,
-    steps: int | None = None,
+    verbose="auto",
     sample_weight=None,
+    steps: int | None = None,
+    callbacks: list | None = None,
+    return_dict: bool = False,
+    *,
     xla: bool = False,
-) -> dict:
-    """The model's compiled loss and metrics over the data, on its strategy; returns a dict."""
+):
+    """`model.evaluate` on the model's strategy: the compiled loss and metrics over the data.
+
+    Returns what Keras returns: the loss alone for a model without metrics, else the list
+    `[loss, *metrics]` in `model.metrics_names` order, or a dict with `return_dict=True`.
+    `verbose` prints one line of results (the whole pass runs in one traced call, so there is no
+    per-batch bar); `callbacks` get `on_test_begin` / `on_test_end` with the results.
+    """
     _check_compiled(model)
     strategy = model_strategy(model)
-    data = fit_data.FitData(x, y, sample_weight, batch_size, False, 0, "evaluation data")
+    data = fit_inputs.of(x, y, sample_weight, batch_size, False, 0, None, "evaluation data")
     if data.infinite and not steps:
-        raise UsageError("the evaluation dataset is infinite; pass steps=")
+        raise UsageError("evaluation data: the dataset is endless; pass steps=")
     fit_data.check_label_types(model, data)
     fit_data.build_for_data(model, strategy, data.element_spec)
     fit_data.check_label_values(model, data)
     strategy, engine, _ = prepare(model, xla)
+    callback_list = keras.callbacks.CallbackList(callbacks, model=model, verbose=0)
+    callback_list.on_test_begin()
     dataset = data.dataset(0).take(steps) if steps else data.dataset(0)
-    return engine.evaluate(strategy.experimental_distribute_dataset(dataset))
+    results = engine.evaluate(strategy.experimental_distribute_dataset(dataset))
+    callback_list.on_test_end(results)
+    if verbose and distribute.describe(strategy).is_chief:
+        print(" - ".join(f"{name}: {value:.4f}" for name, value in results.items()), flush=True)
+    if return_dict:
+        return results
+    values = list(results.values())
+    return values[0] if len(values) == 1 else values
 
 
-def run_card(
-    model, engine, topology, global_batch_size, steps_per_epoch, epochs, start_step, xla, note, model_dir
-) -> dict:
-    policy = model.dtype_policy.name
-    compute = sorted(precision.model_compute_dtypes(model))
-    card = {
-        "model": f"{model.name} ({model.count_params():,} parameters)",
-        "precision": f"{policy} (layers compute in {', '.join(compute) or 'n/a'})",
-        "output dtype": ", ".join(sorted({str(t.dtype) for t in tf.nest.flatten(model.outputs)}))
-        if getattr(model, "outputs", None)
-        else "n/a",
-        "loss scale": f"{precision.loss_scale_mode(engine.optimizer)}, now "
-        f"{precision.current_loss_scale(engine.optimizer):g}",
-        "loss": _describe_loss(model),
-        "strategy": topology.strategy,
-        "replicas": f"{topology.replicas} ({topology.workers} worker(s))",
-        "devices": ", ".join(topology.devices),
-        "global batch": global_batch_size,
-        "per-replica batch": global_batch_size // topology.replicas,
-        "steps": f"{epochs * steps_per_epoch} ({epochs} epoch(s) x {steps_per_epoch}), from step {start_step}",
-        "xla": f"on ({engine.xla_parts})" if xla else "off",
-        "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
-        "model dir": os.path.abspath(model_dir) if model_dir else "none (no checkpoints or logs)",
-    }
-    if note:
-        card["tfmp changed"] = note
-    unfused = fused_norm.unfused(model)
-    if unfused:
-        card["normalization"] = f"{len(unfused)} layer(s) on Keras' layer; {FUSE_HINT}"
-    return card
-
-
-def _describe_loss(model) -> str:
-    loss = getattr(model, "loss", None)
-    names = tf.nest.map_structure(lambda item: getattr(item, "name", None) or str(item), loss)
-    return str(names) + (f" + {len(model.losses)} regularisation term(s)" if model.losses else "")
+def predict(model: keras.Model, x, batch_size: int | None = None, verbose="auto", steps: int | None = None):
+    """`model.predict` on the model's strategy: the outputs for every example, as NumPy (every
+    worker gets all of them), in the input's order."""
+    _check_compiled(model)
+    strategy = model_strategy(model)
+    data = fit_inputs.of(x, None, None, batch_size, False, 0, None, "prediction data")
+    if data.infinite and not steps:
+        raise UsageError("prediction data: the dataset is endless; pass steps=")
+    fit_data.build_for_data(model, strategy, data.element_spec)
+    strategy, engine, _ = prepare(model, False)
+    dataset = data.dataset(0).take(steps) if steps else data.dataset(0)
+    outputs, _ = engine.predict(strategy.experimental_distribute_dataset(dataset))
+    if verbose and distribute.describe(strategy).is_chief:
+        rows = len(tf.nest.flatten(outputs)[0]) if outputs is not None else 0
+        print(f"predicted {rows} examples", flush=True)
+    return outputs

@@ -30,7 +30,7 @@ from typing import Protocol
 import keras
 from absl import logging
 
-from tfmp import precision
+from tfmp import compat, precision
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import EXIT_PREEMPTED, NonFiniteInput, PeerLost, Preempted, TrainingDiverged
 from tfmp.precision import loss_scaling
@@ -56,6 +56,8 @@ class LoopSettings:
     checkpoint_every: int = 0  # steps; 0: at every epoch end only
     log_every: int = 50
     learning_rate: Callable[[int], float] | None = None  # for the logs
+    validation_freq: int | list = 1  # as Keras: every Nth epoch, or the 1-based epochs listed
+    verbose: int | str = 0  # Keras' progress bar (ProgbarLogger) for 1, 2 and "auto"; 0: none
 
 
 @dataclasses.dataclass
@@ -103,11 +105,16 @@ class Loop:
         self.callbacks = keras.callbacks.CallbackList(
             callbacks,
             add_history=True,
-            add_progbar=False,
+            add_progbar=settings.verbose != 0,
             model=engine.model,
-            verbose=0,
+            verbose=settings.verbose,
             epochs=self.epochs,
             steps=settings.steps_per_epoch,
+        )
+        # With Keras' TerminateOnNaN a non-finite loss ends the run as model.fit's would (it sees
+        # the NaN in the batch logs and stops training); otherwise tfmp raises TrainingDiverged.
+        self.terminate_on_nan = any(
+            isinstance(item, keras.callbacks.TerminateOnNaN) for item in callbacks or ()
         )
         self.optimizer = engine.optimizer
         self.dynamic_scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -120,12 +127,15 @@ class Loop:
         try:
             self.engine.model.stop_training = False
             self.callbacks.on_train_begin()
+            step = self._restored_by_callback(step)
             for hook in self.hooks:
                 if hook.next_update_step(step) == step:
                     hook.update(step)
+            ran = False
             while step < self.settings.total_steps and not self.engine.model.stop_training:
                 step, last_eval = self._epoch(step, preemption)
-            if self.evaluate is not None and last_eval is None:  # resumed a finished run
+                ran = True
+            if self.evaluate is not None and not ran:  # resumed a finished run
                 last_eval = self._evaluate(step)
         except distribute.PEER_FAILURES as error:
             peer = distribute.lost_peer(error, self.engine.strategy)
@@ -137,6 +147,13 @@ class Loop:
         self.callbacks.on_train_end()
         throughput = self._steady_examples / self._steady_seconds if self._steady_seconds else None
         return LoopResult(step, last_eval, self.engine.model.history, throughput)
+
+    def _restored_by_callback(self, step: int) -> int:
+        """Where a `keras.callbacks.BackupAndRestore` that restored the weights in on_train_begin
+        says the run stopped (an epoch start); a later checkpoint of tfmp's own wins."""
+        restored = compat.restored_epoch(self.engine.model)
+        compat.clear_restored_epoch(self.engine.model)
+        return max(step, (restored or 0) * self.settings.steps_per_epoch)
 
     def _epoch(self, step: int, preemption) -> tuple[int, dict | None]:
         settings = self.settings
@@ -151,7 +168,7 @@ class Loop:
         while step < epoch_end:
             num_steps = self._steps_in_call(step, epoch_end)
             self.callbacks.on_train_batch_begin(step - epoch_start)
-            logs, seconds = self._call(iterator, step, num_steps, preemption)
+            logs, seconds, num_steps = self._call(iterator, step, num_steps, preemption)
             step += num_steps
             for hook in self.hooks:
                 if hook.next_update_step(step) == step:
@@ -166,11 +183,12 @@ class Loop:
                 log_step, log_started = step, time.perf_counter()
             if settings.checkpoint_every and step % settings.checkpoint_every == 0 and step < epoch_end:
                 self._save(step)
-        last_eval = self._evaluate(step) if self.evaluate is not None else None
+            if self.engine.model.stop_training:  # a callback asked (EarlyStopping, TerminateOnNaN, ...)
+                break
+        validate = self.evaluate is not None and _validates(epoch, settings.validation_freq)
+        last_eval = self._evaluate(step) if validate else None
         self._save(step)
         epoch_logs = dict(logs)
-        if self.dynamic_scaling:
-            epoch_logs["loss_scale"] = precision.current_loss_scale(self.optimizer)
         epoch_logs.update({f"val_{name}": value for name, value in (last_eval or {}).items()})
         self.callbacks.on_epoch_end(epoch, epoch_logs)
         return step, last_eval
@@ -186,7 +204,8 @@ class Loop:
                 stops.append(next_step)
         return max(1, min(stops) - step)
 
-    def _call(self, iterator, step: int, num_steps: int, preemption) -> tuple[dict, float]:
+    def _call(self, iterator, step: int, num_steps: int, preemption) -> tuple[dict, float, int]:
+        """(logs, seconds, steps run) of one host call of up to `num_steps` steps."""
         started = time.perf_counter()
         result = self.engine.train(iterator, num_steps, stop_requested=preemption.received)
         preemption.trained = True
@@ -207,11 +226,14 @@ class Loop:
             self._steady_examples += num_steps * self.settings.global_batch_size
             self._steady_seconds += seconds
         self._first_call = False
+        if result.halted_at and self.terminate_on_nan:
+            # The step was not applied (tfmp never applies one); Keras' callback sees its loss.
+            return {**result.metrics, "loss": float("nan")}, seconds, result.halted_at
         if result.halted_at:
             self._stop_on_nonfinite(step - num_steps + result.halted_at, result.nonfinite_inputs)
         if self.dynamic_scaling:
             self._check_loss_scale(step, result.skipped_in_a_row)
-        return result.metrics, seconds
+        return result.metrics, seconds, num_steps
 
     def _stop_on_nonfinite(self, bad_step: int, nonfinite_inputs: tuple) -> None:
         """Raises for the step whose numbers were not finite; the engine applied neither it nor
@@ -306,6 +328,13 @@ class Loop:
     def _save(self, step: int) -> None:
         if self.checkpoints is not None:
             self.checkpoints.save(step)
+
+
+def _validates(epoch: int, validation_freq) -> bool:
+    """Keras' `_should_eval`: every `validation_freq`-th epoch, or the (1-based) epochs listed."""
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq
 
 
 class _StopSignals:

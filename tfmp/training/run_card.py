@@ -1,6 +1,7 @@
-"""The run card of an app run: every setting that decides speed and numerics, as `key: value` rows.
+"""The run card of a run: every setting that decides speed and numerics, as `key: value` rows.
 
     card = run_card.describe(config, plan, model, engine, start_step, shard_policies, model_dir, task)
+    card = run_card.describe_fit(model, engine, topology, settings, start_step, xla, note, model_dir)
 
 `train_and_evaluate` prints it at the start and writes it as run_card.json (see `Reporter.run_card`),
 with the pruning and pipeline rows (`pipeline_rows`) when the run has them.
@@ -16,6 +17,12 @@ import tensorflow as tf
 from tfmp import precision
 from tfmp.precision import fused_norm
 from tfmp.training.config import TrainConfig
+
+FUSE_HINT = (
+    "tfmp.fuse_normalization(model) before fit would compute them with TensorFlow's fused kernel: "
+    "half-precision activations stay half (Keras' layer keeps float32 copies for the backward pass), "
+    "the same numbers within rounding, the same weights and .keras file"
+)
 
 
 def _normalization_card(model: keras.Model) -> dict:
@@ -83,3 +90,42 @@ def pipeline_rows(stages, workers: int) -> dict:
             f"{stage['parameters']:,} parameters, {stage['flops_per_example']:,} FLOPs/example)"
         )
     return rows
+
+
+def describe_fit(model, engine, topology, settings, start_step, xla, note, model_dir) -> dict:
+    """The run card of a `tfmp.fit` call (`settings`: its LoopSettings)."""
+    global_batch_size, steps_per_epoch = settings.global_batch_size, settings.steps_per_epoch
+    policy = model.dtype_policy.name
+    compute = sorted(precision.model_compute_dtypes(model))
+    card = {
+        "model": f"{model.name} ({model.count_params():,} parameters)",
+        "precision": f"{policy} (layers compute in {', '.join(compute) or 'n/a'})",
+        "output dtype": ", ".join(sorted({str(t.dtype) for t in tf.nest.flatten(model.outputs)}))
+        if getattr(model, "outputs", None)
+        else "n/a",
+        "loss scale": f"{precision.loss_scale_mode(engine.optimizer)}, now "
+        f"{precision.current_loss_scale(engine.optimizer):g}",
+        "loss": _describe_loss(model),
+        "strategy": topology.strategy,
+        "replicas": f"{topology.replicas} ({topology.workers} worker(s))",
+        "devices": ", ".join(topology.devices),
+        "global batch": global_batch_size,
+        "per-replica batch": global_batch_size // topology.replicas,
+        "steps": f"{settings.total_steps} ({settings.total_steps // steps_per_epoch} epoch(s) x "
+        f"{steps_per_epoch}), from step {start_step}",
+        "xla": f"on ({engine.xla_parts})" if xla else "off",
+        "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
+        "model dir": os.path.abspath(model_dir) if model_dir else "none (no checkpoints or logs)",
+    }
+    if note:
+        card["tfmp changed"] = note
+    unfused = fused_norm.unfused(model)
+    if unfused:
+        card["normalization"] = f"{len(unfused)} layer(s) on Keras' layer; {FUSE_HINT}"
+    return card
+
+
+def _describe_loss(model) -> str:
+    loss = getattr(model, "loss", None)
+    names = tf.nest.map_structure(lambda item: getattr(item, "name", None) or str(item), loss)
+    return str(names) + (f" + {len(model.losses)} regularisation term(s)" if model.losses else "")
