@@ -14,6 +14,8 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import tensorflow as tf
 
@@ -24,7 +26,18 @@ from tfmp.distribute.launch import RUN_NAME_ENV
 from tfmp.errors import UsageError, unknown
 from tfmp.pipeline import plan as pipeline
 from tfmp.training.config import TrainConfig
-from tfmp.training.task import Task
+
+
+@runtime_checkable
+class Plannable(Protocol):
+    """What planning reads of a task (every `tfmp.training.task.Task` has it): its model registry,
+    what an unknown model is called, and its dataset description."""
+
+    models: Mapping[str, Callable[..., Any]]
+    model_kind: str
+
+    def describe(self, config: TrainConfig) -> Any: ...
+
 
 XLA_CHOICES = ("auto", "on", "off")
 
@@ -120,9 +133,9 @@ class Plan:
     model_strategy: tf.distribute.Strategy
 
 
-def make_plan(config: TrainConfig, task: Task) -> Plan:
+def make_plan(config: TrainConfig, task: Plannable) -> Plan:
     """Validates the config and decides the run; raises UsageError before anything is written."""
-    if not isinstance(task, Task):
+    if not isinstance(task, Plannable):
         raise TypeError(f"{type(task).__name__} is not a tfmp Task (see tfmp.training.task)")
     _check_positive(
         epochs=config.optimization.epochs,

@@ -52,6 +52,8 @@ def train_and_evaluate(
     the loss becomes non-finite without a loss scaler to skip the step, Preempted after saving
     a checkpoint on SIGTERM or SIGINT, and WriteFailed when a write into the run fails.
     """
+    if not isinstance(task, Task):
+        raise TypeError(f"{type(task).__name__} is not a tfmp Task (see tfmp.training.task)")
     plan = make_plan(config, task)
     # One absolute path from here on: `~` expanded (from a flagfile no shell expands it), and
     # nothing depends on the working directory any more. Only the chief writes there.

@@ -18,14 +18,13 @@ no base class: any object with these members is a `Task` (checked with `isinstan
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import keras
 
-if TYPE_CHECKING:  # annotations only: plan.py imports this module to type its `task` argument
-    from tfmp.training.config import TrainConfig
-    from tfmp.training.engine import Engine
-    from tfmp.training.plan import Plan
+from tfmp.training.config import TrainConfig
+from tfmp.training.engine import Engine
+from tfmp.training.plan import Plan, Plannable
 
 # The loop's training data: (epoch, steps done) -> an iterator of distributed batches.
 DataForEpoch = Callable[[int, int], Any]
@@ -34,7 +33,7 @@ Evaluate = Callable[[], dict] | None
 
 
 @runtime_checkable
-class Task(Protocol):
+class Task(Plannable, Protocol):
     models: Mapping[str, Callable[..., keras.Model]]  # registry name -> builder
     model_kind: str  # what an unknown --model is called in the error ("model", "detector")
     unit: str  # what the speed counts ("examples", "images")
