@@ -68,6 +68,13 @@ def test_every_layer_and_attention_sublayer_computes_in_the_policy(policy):
     np.testing.assert_allclose(keras.ops.sum(probabilities, axis=-1), 1.0, atol=1e-6)
 
 
+def test_an_untrained_vit_gives_every_class_the_same_probability():
+    # The zero head of the reference ViT: the first loss is ln(num_classes), whatever the image.
+    model = tiny_vit()
+    images = np.random.default_rng(2).random((2, 8, 8, 3), dtype=np.float32)
+    np.testing.assert_array_equal(model(images), np.full((2, 3), 1 / 3, np.float32))
+
+
 def test_layer_names_follow_the_model_name():
     names = [layer.name for layer in tiny_vit(dropout=0.1).layers]
     block = ["norm1", "attention", "attention_dropout", "add1", "norm2", "mlp1", "mlp_dropout1"]

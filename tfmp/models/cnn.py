@@ -49,6 +49,7 @@ def classifier_head(
     num_classes: int,
     name: str,
     kernel_regularizer: keras.regularizers.Regularizer | None = None,
+    kernel_initializer: str = "glorot_uniform",
 ) -> keras.KerasTensor:
     """Float32 `Dense(num_classes)` logits (`{name}_logits`) and softmax (`{name}_probs`).
 
@@ -60,6 +61,7 @@ def classifier_head(
     logits = keras.layers.Dense(
         num_classes,
         kernel_regularizer=kernel_regularizer,
+        kernel_initializer=kernel_initializer,
         dtype="float32",
         name=f"{name}_logits",
     )(features)
