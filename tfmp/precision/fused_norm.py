@@ -8,9 +8,10 @@ stays half.
     result.left_alone                       # (("resnet/head_bn", "2-D input"), ...)
 
 Every normalization and attention layer of the model is listed, fused or left alone with the
-reason: Keras' classes (and their subclasses) by type, and any other layer holding no layers of
-its own whose class name says normalization or attention (keras-hub's `RMSNormalization`, a
-`keras.layers.UnitNormalization`, ...) by name, left alone as a computation tfmp does not know.
+reason: Keras' classes (and their subclasses) by type, and any other layer whose class name says
+normalization or attention (keras-hub's `RMSNormalization`, `keras.layers.UnitNormalization`,
+`GroupQueryAttention`, ...) and that holds no such layer itself, by name, left alone as a
+computation tfmp does not know.
 
 Why: Keras 3.15's `BatchNormalization.call` casts a float16/bfloat16 input to float32
 (keras/src/layers/normalization/batch_normalization.py:348) and normalises with separate
@@ -95,7 +96,7 @@ FUSABLE = (
     keras.layers.MultiHeadAttention,
 )
 # Other layers listed (left alone) by their class name: keras-hub's normalization layers,
-# keras.layers.UnitNormalization, GroupedQueryAttention, ...
+# keras.layers.UnitNormalization, GroupQueryAttention, ...
 LISTED_BY_NAME = re.compile("Norm|Attention")
 
 
@@ -213,10 +214,19 @@ def _norms(layer, path=None, seen=None):
             continue
         seen.add(id(child))
         child_path = f"{path}/{child.name}"
-        children = _sublayers(child)
-        if isinstance(child, FUSABLE) or (not children and LISTED_BY_NAME.search(type(child).__name__)):
+        if isinstance(child, FUSABLE) or (
+            LISTED_BY_NAME.search(type(child).__name__) and not any(map(_listed, _sublayers(child)))
+        ):
             yield child_path, child
         yield from _norms(child, child_path, seen)
+
+
+def _listed(layer) -> bool:
+    """Whether `layer` or a layer inside it is one `_norms` lists (a block named "...Attention"
+    that holds a MultiHeadAttention is not listed itself: its attention layer is)."""
+    if isinstance(layer, FUSABLE) or LISTED_BY_NAME.search(type(layer).__name__):
+        return True
+    return any(map(_listed, _sublayers(layer)))
 
 
 def _sublayers(layer) -> list:
