@@ -12,7 +12,9 @@ Prints one JSON line per check, each with a "kind", for the tests to compare acr
 - "overflow": one float16 step with inf images on worker 1 only, which both must skip;
 - "detect" and "faster_rcnn" (tests/test_detect_app.py, tests/test_faster_rcnn.py): the tiny
   RetinaNet and Faster R-CNN in every precision x XLA cell;
-- "fit" (tests/test_fit.py): a user's tfmp.fit script (tests/fit_worker.py) on this strategy.
+- "fit" (tests/test_fit.py): a user's tfmp.fit script (tests/fit_worker.py) on this strategy;
+- "fused_transformer" (tests/test_fused_layer_norm.py): one Engine step of a tiny encoder with
+  fused LayerNormalization, MultiHeadAttention and RMSNormalization (`worker_cells`).
 The strategy comes from `get_strategy("auto", one_replica_per_worker=True)`: on CPU the same
 MultiWorkerMirroredStrategy as a user's script gets under the launcher (one CPU replica per
 worker), whose workers' CPUs are split in 2 logical devices for the pipeline's stages.
@@ -35,6 +37,7 @@ import numpy as np  # noqa: E402
 import pipeline_2d_worker  # noqa: E402
 import rounding  # noqa: E402
 import tensorflow as tf  # noqa: E402
+import test_fused_layer_norm  # noqa: E402
 
 from tfmp import models, precision  # noqa: E402
 from tfmp.classification import data  # noqa: E402
@@ -64,6 +67,7 @@ def main():
     overflow_on_worker_1(strategy)
     mwms_detect_worker.detection_cells(strategy)
     fit_worker.run(strategy)
+    test_fused_layer_norm.worker_cells(strategy, os.environ["FIT_WORKER_OUT"])
 
 
 def classification_cells(strategy):
