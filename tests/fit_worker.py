@@ -17,12 +17,14 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import fit_rows  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfmp  # noqa: E402
 from tfmp.distribute import strategies as distribute  # noqa: E402
+from tfmp.errors import UsageError  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 16, 20
 
@@ -96,6 +98,35 @@ def run(strategy):
         ),
         flush=True,
     )
+
+
+def conformance_rows(strategy):
+    """tests/fit_rows.py's MULTI_WORKER rows through tfmp.fit on `strategy`; a generator is refused."""
+    for name in fit_rows.MULTI_WORKER:
+        row = fit_rows.ROWS[name]
+        model = row.build(strategy)
+        history = tfmp.fit(model, **row.arguments(), shuffle=False, verbose=0)
+        task = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0
+        if os.environ.get("FIT_WORKER_OUT"):
+            np.savez(
+                os.path.join(os.environ["FIT_WORKER_OUT"], f"row-{name}-{task}.npz"), *model.get_weights()
+            )
+        record = {
+            "kind": "fit_row",
+            "name": name,
+            "task": task,
+            "history": history.history,
+            "epoch": history.epoch,
+        }
+        print(json.dumps(record), flush=True)
+    try:
+        tfmp.fit(
+            fit_rows.single_output(strategy), fit_rows.endless(fit_rows.X, fit_rows.Y), steps_per_epoch=2
+        )
+        refused = None
+    except UsageError as error:
+        refused = str(error)
+    print(json.dumps({"kind": "fit_refused", "message": refused}), flush=True)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def main():
     mwms_detect_worker.detection_cells(strategy)
     fit_worker.run(strategy)
     test_fused_layer_norm.worker_cells(strategy, os.environ["FIT_WORKER_OUT"])
+    fit_worker.conformance_rows(strategy)
 
 
 def classification_cells(strategy):

@@ -8,148 +8,29 @@ times the values' scale (~1) and the number of steps whose rounding can differ (
 order in the gradient reductions), times a safety factor of 16.
 """
 
-import dataclasses
 import logging
 import re
-from collections.abc import Callable
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from fit_rows import (
+    CLASSES,
+    EXAMPLES,
+    FEATURES,
+    MULTI_WORKER,
+    ROWS,
+    TOLERANCE,
+    Batches,
+    Row,
+    X,
+    Y,
+    single_output,
+)
 
 import tfmp
 from tfmp.errors import UsageError
-
-EXAMPLES, FEATURES, CLASSES = 96, 5, 3
-MAX_STEPS = 12  # the most steps a row runs
-TOLERANCE = 16 * MAX_STEPS * np.finfo(np.float32).eps
-
-
-def _data(seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(EXAMPLES, FEATURES)).astype("float32")
-    y = rng.integers(0, CLASSES, size=(EXAMPLES,)).astype("int32")
-    return x, y
-
-
-def _single_output(strategy):
-    with strategy.scope():
-        keras.utils.set_random_seed(3)
-        inputs = keras.Input((FEATURES,), name="features")
-        hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
-        model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="logits")(hidden))
-        model.compile(
-            keras.optimizers.SGD(0.1),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-    return model
-
-
-def _two_inputs_two_outputs(strategy):
-    with strategy.scope():
-        keras.utils.set_random_seed(4)
-        left, right = keras.Input((FEATURES,), name="left"), keras.Input((2,), name="right")
-        hidden = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()([left, right]))
-        classes = keras.layers.Dense(CLASSES, name="classes")(hidden)
-        value = keras.layers.Dense(1, name="value")(hidden)
-        model = keras.Model([left, right], [classes, value])
-        model.compile(
-            keras.optimizers.SGD(0.05),
-            [keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.losses.MeanSquaredError()],
-            loss_weights=[1.0, 0.5],
-        )
-    return model
-
-
-class Batches(keras.utils.PyDataset):
-    """A PyDataset of 16-example batches, as a Keras user writes one."""
-
-    def __init__(self, x, y, **kwargs):
-        super().__init__(**kwargs)
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return len(self.x) // 16
-
-    def __getitem__(self, index):
-        rows = slice(index * 16, (index + 1) * 16)
-        return self.x[rows], self.y[rows]
-
-
-def _endless(x, y):
-    while True:
-        for start in range(0, len(x), 16):
-            yield x[start : start + 16], y[start : start + 16]
-
-
-class StopAtBatch(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.optimizer.iterations.numpy() == 4:
-            self.model.stop_training = True
-
-
-@dataclasses.dataclass
-class Row:
-    arguments: Callable[[], dict]  # fresh each call: generators and callbacks are used up
-    build: Callable = _single_output
-    mirrored: bool = True  # also run tfmp.fit on two replicas
-
-
-X, Y = _data()
-X_VALUE = np.random.default_rng(1).normal(size=(EXAMPLES, 2)).astype("float32")
-Y_VALUE = X[:, :1] * 0.5
-ROWS = {
-    "numpy_default_batch_32": Row(lambda: dict(x=X, y=Y, epochs=2)),
-    "tensors": Row(lambda: dict(x=tf.constant(X), y=tf.constant(Y), batch_size=24)),
-    "tf_data": Row(lambda: dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(16), epochs=2)),
-    "lists_in_and_out": Row(
-        lambda: dict(x=[X, X_VALUE], y=[Y, Y_VALUE], batch_size=16), build=_two_inputs_two_outputs
-    ),
-    "dicts_in_and_out": Row(
-        lambda: dict(x={"left": X, "right": X_VALUE}, y={"classes": Y, "value": Y_VALUE}, batch_size=16),
-        build=_two_inputs_two_outputs,
-    ),
-    "sample_weight": Row(lambda: dict(x=X, y=Y, batch_size=16, sample_weight=np.linspace(0.1, 2, EXAMPLES))),
-    "class_weight": Row(lambda: dict(x=X, y=Y, batch_size=16, class_weight={0: 0.5, 2: 3.0})),
-    "validation_split": Row(lambda: dict(x=X, y=Y, batch_size=16, validation_split=0.25, epochs=2)),
-    "validation_data_and_batch_size": Row(
-        lambda: dict(x=X, y=Y, batch_size=16, validation_data=(X[:40], Y[:40]), validation_batch_size=8)
-    ),
-    "validation_freq": Row(
-        lambda: dict(
-            x=X[:32], y=Y[:32], batch_size=16, validation_data=(X[:16], Y[:16]), epochs=4, validation_freq=2
-        )
-    ),
-    "initial_epoch": Row(lambda: dict(x=X[:32], y=Y[:32], batch_size=16, epochs=4, initial_epoch=2)),
-    "steps_per_epoch_shorter_than_data": Row(
-        lambda: dict(x=X, y=Y, batch_size=16, steps_per_epoch=2, epochs=3)
-    ),
-    "generator": Row(lambda: dict(x=_endless(X, Y), steps_per_epoch=3, epochs=2), mirrored=False),
-    "py_dataset": Row(lambda: dict(x=Batches(X, Y), epochs=2), mirrored=False),
-    "early_stopping": Row(
-        lambda: dict(
-            x=X[:32],
-            y=Y[:32],
-            batch_size=16,
-            epochs=6,
-            callbacks=[keras.callbacks.EarlyStopping("loss", min_delta=10.0, patience=1)],
-        )
-    ),
-    "reduce_lr_on_plateau": Row(
-        lambda: dict(
-            x=X[:32],
-            y=Y[:32],
-            batch_size=16,
-            epochs=3,
-            callbacks=[keras.callbacks.ReduceLROnPlateau("loss", factor=0.5, patience=0, min_delta=10.0)],
-        )
-    ),
-    "stop_training_in_a_batch": Row(
-        lambda: dict(x=X, y=Y, batch_size=16, epochs=2, callbacks=[StopAtBatch()])
-    ),
-}
 
 
 def _fit_both(row: Row, strategy) -> tuple:
@@ -195,7 +76,7 @@ class Interrupt(keras.callbacks.Callback):
 def test_backup_and_restore_runs_only_the_remaining_epochs_as_keras(tmp_path):
     runs = {}
     for who in ("keras", "tfmp"):
-        model = _single_output(tf.distribute.get_strategy())
+        model = single_output(tf.distribute.get_strategy())
         fit = model.fit if who == "keras" else lambda **kw: tfmp.fit(model, **kw)
         arguments = dict(x=X[:32], y=Y[:32], batch_size=16, epochs=4, shuffle=False, verbose=0)
         backup = keras.callbacks.BackupAndRestore(str(tmp_path / who))
@@ -214,7 +95,7 @@ def test_terminate_on_nan_stops_and_returns_the_history_as_keras():
     poisoned[40] = np.inf  # batch 2 of 16
     histories = {}
     for who in ("keras", "tfmp"):
-        model = _single_output(tf.distribute.get_strategy())
+        model = single_output(tf.distribute.get_strategy())
         fit = model.fit if who == "keras" else lambda **kw: tfmp.fit(model, **kw)
         histories[who] = fit(
             x=poisoned, y=Y[:64], batch_size=16, epochs=3, shuffle=False, verbose=0,
@@ -252,7 +133,7 @@ def test_terminate_on_nan_stops_and_returns_the_history_as_keras():
     ],
 )
 def test_what_keras_refuses_is_one_usage_error_and_writes_nothing(arguments, message, tmp_path):
-    model = _single_output(tf.distribute.get_strategy())
+    model = single_output(tf.distribute.get_strategy())
     with pytest.raises(UsageError, match=message) as raised:
         tfmp.fit(model, **arguments, verbose=0, model_dir=str(tmp_path / "run"))
     assert "\n" not in str(raised.value)
@@ -271,19 +152,26 @@ def test_class_weight_with_a_sequence_output_is_refused_as_keras():
         )
 
 
-def _digits_blanked(text: str) -> list[str]:
-    return [re.sub(r"\d+(\.\d+)?", "#", line) for line in text.splitlines() if line.strip()]
+def _progress_lines(text: str) -> list[str]:
+    """Keras' progress output reduced to what does not depend on timing: the "Epoch i/n" lines
+    and each bar's final state ("n/n ... - loss: #"), colours, times and numbers blanked."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    segments = [segment.strip() for segment in re.split(r"[\r\n\x08]+", plain)]
+    final = [s for s in segments if s.startswith("Epoch") or re.match(r"(\d+)/\1\b", s)]
+    timeless = [re.sub(r"\d+(\.\d+)?(ms|us|s)\b", "#t", line) for line in final]
+    return [re.sub(r"\d+(\.\d+)?", "#", line) for line in timeless]
 
 
 @pytest.mark.parametrize("verbose", [2, 1])
 def test_output_is_keras_progress_bar_and_no_run_card_without_model_dir(verbose, capsys):
-    model = _single_output(tf.distribute.get_strategy())
+    model = single_output(tf.distribute.get_strategy())
     arguments = dict(x=X[:32], y=Y[:32], batch_size=16, epochs=2, validation_data=(X[:16], Y[:16]))
     model.fit(**arguments, verbose=verbose)
     expected = capsys.readouterr().out
     tfmp.fit(model, **arguments, verbose=verbose)
     ours = capsys.readouterr().out
-    assert _digits_blanked(ours) == _digits_blanked(expected)
+    assert len(_progress_lines(expected)) == 4  # two epochs: a header and a final bar each
+    assert _progress_lines(ours) == _progress_lines(expected)
     assert "run card" not in ours
 
 
@@ -293,7 +181,7 @@ def test_a_second_fit_in_one_process_traces_nothing_again(tmp_path, capsys):
     handler.emit = lambda record: messages.append(record.getMessage())
     logging.getLogger("tensorflow").addHandler(handler)
     try:
-        model = _single_output(tf.distribute.get_strategy())
+        model = single_output(tf.distribute.get_strategy())
         for _ in range(6):  # TensorFlow warns from the fifth retrace on
             tfmp.fit(model, X, Y, batch_size=16, verbose=0, validation_data=(X[:16], Y[:16]))
             tfmp.evaluate(model, X, Y, verbose=0)
@@ -302,3 +190,43 @@ def test_a_second_fit_in_one_process_traces_nothing_again(tmp_path, capsys):
     assert not [message for message in messages if "retracing" in message]
     tfmp.fit(model, X, Y, batch_size=16, verbose=1, model_dir=str(tmp_path))
     assert "tfmp run card" in capsys.readouterr().out  # shown where a model_dir is written
+
+
+@pytest.mark.slow
+def test_two_launched_workers_equal_model_fit(launched_workers):
+    """tests/fit_rows.py's MULTI_WORKER rows run by tests/fit_worker.py in conftest's shared
+    2-worker group (one replica each) end like Keras' model.fit on one device; a generator is
+    refused there with the conversion to make."""
+    assert launched_workers.returncode == 0, launched_workers.tail
+    for name in MULTI_WORKER:
+        keras_model = ROWS[name].build(tf.distribute.get_strategy())
+        expected = keras_model.fit(**ROWS[name].arguments(), shuffle=False, verbose=0)
+        records = [
+            r for worker in (0, 1) for r in launched_workers.records["fit_row"][worker] if r["name"] == name
+        ]
+        assert sorted(record["task"] for record in records) == [0, 1], name
+        for record in records:
+            assert (
+                record["epoch"] == expected.epoch and record["history"].keys() == expected.history.keys()
+            ), name
+            for key, values in expected.history.items():
+                np.testing.assert_allclose(record["history"][key], values, rtol=TOLERANCE, atol=TOLERANCE)
+            saved = np.load(launched_workers.out / f"row-{name}-{record['task']}.npz")
+            for index, weight in enumerate(keras_model.get_weights()):
+                np.testing.assert_allclose(saved[f"arr_{index}"], weight, rtol=TOLERANCE, atol=TOLERANCE)
+    refusals = [r["message"] for worker in (0, 1) for r in launched_workers.records["fit_refused"][worker]]
+    assert len(refusals) == 2 and all("tf.data.Dataset" in (message or "") for message in refusals), refusals
+
+
+def test_a_py_datasets_on_epoch_end_is_called_as_keras_calls_it():
+    calls = {}
+
+    class Counted(Batches):
+        def on_epoch_end(self):
+            calls[who] = calls.get(who, 0) + 1
+
+    for who in ("keras", "tfmp"):
+        model = single_output(tf.distribute.get_strategy())
+        fit = model.fit if who == "keras" else lambda **kw: tfmp.fit(model, **kw)
+        fit(x=Counted(X, Y), epochs=3, verbose=0)
+    assert calls["tfmp"] == calls["keras"]

@@ -55,6 +55,7 @@ class FitData:
     ):
         self.what, self.kind = what, kind
         self._make, self.repeatable = make, repeatable
+        self.epoch_ended = lambda: None  # called at each epoch's end (a PyDataset's on_epoch_end)
         first_pass = make(0)
         self.element_spec = first_pass.element_spec
         cardinality = int(first_pass.cardinality())
@@ -129,13 +130,9 @@ def _python_data(x, kind: str, shuffle: bool, what: str) -> FitData:
     dataset = adapter.get_tf_dataset()
     if adapter.num_batches is not None:
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
-
-    def make(pass_index):
-        if kind == "PyDataset" and isinstance(pass_index, int) and pass_index > 0:
-            adapter.on_epoch_end()  # the user's on_epoch_end, between passes, as model.fit calls it
-        return dataset
-
-    return FitData(make, what, kind, repeatable=kind == "PyDataset")
+    data = FitData(lambda pass_index: dataset, what, kind, repeatable=kind == "PyDataset")
+    data.epoch_ended = adapter.on_epoch_end  # the PyDataset's on_epoch_end, as model.fit calls it
+    return data
 
 
 def _as_tuples(structure):

@@ -214,7 +214,9 @@ def fit(
                 evaluate=evaluate,
                 callbacks=callbacks,
             )
+            train.epoch_ended()  # once before the first epoch too, as model.fit's epoch iterator resets
             result = loop.run(start_step)
+            train.epoch_ended()
             del loop, data_for_epoch, evaluate
             distribute.release_input_pipelines()
             reporter.close()
@@ -295,7 +297,9 @@ def _inputs(engine: Engine, train, steps_per_epoch: int, validation, validation_
     strategy, state = engine.strategy, {}
 
     def data_for_epoch(epoch, steps_done):
-        if "iterator" not in state:
+        if "iterator" in state:
+            train.epoch_ended()  # the Loop asks at each epoch's start: the last one ended
+        else:
             stream = train.stream(epoch * steps_per_epoch + steps_done)
             state["iterator"] = iter(strategy.experimental_distribute_dataset(stream))
         return state["iterator"]
