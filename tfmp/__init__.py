@@ -2,10 +2,10 @@
 
     import tfmp
     history = tfmp.fit(model, dataset, epochs=3)     # any compiled Keras model, any strategy
-    tfmp.evaluate(model, eval_dataset)
+    tfmp.evaluate(model, eval_dataset)               # model.evaluate's return; tfmp.predict likewise
     tfmp.fuse_normalization(model)                   # Batch/GroupNormalization on fused kernels
 
-`fit`, `evaluate` and `fuse_normalization` are loaded on first use, so `python -m tfmp.launch`
+`fit`, `evaluate`, `predict` and `fuse_normalization` are loaded on first use, so `python -m tfmp.launch`
 starts without importing TensorFlow.
 """
 

@@ -1,4 +1,5 @@
-"""`tfmp.fit` and `tfmp.evaluate`: train a user's compiled Keras model the way tfmp's apps train.
+"""`tfmp.fit`, `tfmp.evaluate`, `tfmp.predict`: `model.fit`, `evaluate` and `predict` for a user's
+compiled Keras model, trained the way tfmp's apps train (docs/fit.md).
 
     strategy = tfmp.distribute.strategies.get_strategy("auto")     # or tf.distribute.MirroredStrategy(), ...
     with strategy.scope():
@@ -6,17 +7,18 @@
         model.compile(keras.optimizers.SGD(0.01),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-    history = tfmp.fit(model, dataset, epochs=3, validation_data=val_dataset, model_dir="runs/a")
-    tfmp.evaluate(model, val_dataset)                     # {"loss": ..., "accuracy": ...}
+    history = tfmp.fit(model, x, y, epochs=3, validation_split=0.1, model_dir="runs/a")
+    loss, accuracy = tfmp.evaluate(model, x_test, y_test)
 
 Works under every strategy, precision and XLA setting, including MultiWorkerMirroredStrategy
 (where Keras 3.15's `model.fit` fails) and XLA under MirroredStrategy (where
 `compile(jit_compile=True)` fails). The same script runs on one device, on N replicas, and on
 N workers started by `python -m tfmp.launch --workers=N -- python my_train.py`.
 
-Data: a `tf.data.Dataset` of `(x, y)` or `(x, y, sample_weight)` batched with the *global*
-batch size, or NumPy arrays with `batch_size` (also global). tfmp distributes it over the
-strategy's replicas and workers. Numbers equal `model.fit`'s on one device for the same batches:
+Arguments and data are `model.fit`'s (`fit_inputs`: arrays with a *global* `batch_size`,
+`tf.data`, PyDataset, generators, `class_weight`, `validation_split`, ...); tfmp distributes the
+global batches over the strategy's replicas and workers. Numbers equal `model.fit`'s on one
+device for the same batches (tests/test_fit_conformance.py):
 same loss (the compiled loss, every output, `loss_weights`, sample weights, regularisers),
 same metrics, over the whole global batch.
 
