@@ -35,10 +35,11 @@ only inside a kernel.
 
 Why not tf.keras 2's route (the rows reshaped to [1, rows, features, 1] onto FusedBatchNormV3,
 gamma and beta applied after it): measured on this 2-core AMD EPYC (AVX2, no AVX-512; forward +
-backward of one layer, docs/mixed-precision.md "Transformers"), it was slower than these kernels
-in every precision, slower than Keras' own layer in float32 (the CPU kernel transposes NCHW and
-keeps a normalised copy for gamma's gradient), rounds three times in half precision (the
-normalised output, times gamma, plus beta) instead of once, and covers neither RMS variant.
+backward of a chain of layers, docs/mixed-precision.md "Transformers"), it was 2-4x slower than
+Keras' own layer in every precision (the CPU kernel transposes NCHW, and gamma's gradient needs
+a normalised copy kept beside the input), where these kernels are 1.5-2x faster; it rounds three
+times in half precision (the normalised output, times gamma, plus beta) instead of once, and
+covers neither RMS variant.
 """
 
 from __future__ import annotations
