@@ -156,6 +156,10 @@ def test_vit_b16_has_the_published_size():
             "model 'vit_tiny' makes a sequence of 257 tokens (256 patches of 64x64 images + the class "
             "token), more than its 65 position embeddings; use images of at most 32x32 or positions >= 257",
         ),
+        (
+            lambda: build("vit_b16", (8, 8, 3), 10),
+            "8x8 is not a multiple of 16; use images of 16x16 (--image_size=16 in",
+        ),
         (lambda: build("vit_tiny", (32, 32, 3), 10, heads=4), "does not take option(s) heads"),
         (lambda: tiny_vit(positions=1), "positions >= 2"),
         (lambda: tiny_vit(depth=0), "positive integer depth, got 0"),

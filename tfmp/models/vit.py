@@ -124,10 +124,12 @@ def check_vit_sizes(
     if height % patch_size or image_width % patch_size:
         smaller = [size // patch_size * patch_size for size in (height, image_width)]
         larger = [math.ceil(size / patch_size) * patch_size for size in (height, image_width)]
+        fits = [sides for sides in (smaller, larger) if min(sides) > 0]  # no 0x0 below one patch
         raise UsageError(
             f"model {name!r} cuts images into {patch_size}x{patch_size} patches, and "
             f"{height}x{image_width} is not a multiple of {patch_size}; use images of "
-            f"{_size(smaller)} or {_size(larger)} (--image_size={smaller[0]} or {larger[0]} in the apps)"
+            f"{' or '.join(f'{sides[0]}x{sides[1]}' for sides in fits)} "
+            f"(--image_size={' or '.join(str(sides[0]) for sides in fits)} in the apps)"
         )
     sequence = (height // patch_size) * (image_width // patch_size) + 1
     if positions is not None and sequence > positions:
@@ -138,10 +140,6 @@ def check_vit_sizes(
             f"embeddings; use images of at most {largest}x{largest} or positions >= {sequence}"
         )
     return sequence
-
-
-def _size(sides: list[int]) -> str:
-    return f"{sides[0]}x{sides[1]}"
 
 
 def _encoder_block(x, name, dtype, *, heads, mlp_dim, dropout, attention_dropout):
