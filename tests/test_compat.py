@@ -82,3 +82,41 @@ def test_optimizer_strategy_is_the_one_it_was_made_under():
     _require(inside, "_distribution_strategy")
     assert compat.optimizer_strategy(inside) is one_device
     assert compat.optimizer_strategy(keras.optimizers.SGD()) is tf.distribute.get_strategy()
+
+
+def test_multi_head_attentions_core_hook_and_flash_flag():
+    for symbol in (compat.ATTENTION_CORE, "_flash_attention"):
+        _require(keras.layers.MultiHeadAttention(2, 4), symbol)
+    layer = keras.layers.MultiHeadAttention(2, 4)
+    layer(tf.zeros([1, 3, 8]), tf.zeros([1, 3, 8]))  # built: its einsum equations exist
+    query = tf.random.normal([1, 3, 2, 4])
+    output, scores = compat.keras_attention_core(layer, query, query, query, None, False, True)
+    assert tuple(output.shape) == (1, 3, 2, 4) and tuple(scores.shape) == (1, 2, 3, 3)
+    assert compat.uses_flash_attention(layer) is False
+
+
+def test_optimizer_skips_its_all_reduce_only_inside_the_context(mirrored):
+    """Keras' TF optimizer sums the gradients over replicas in `_all_reduce_sum_gradients`;
+    inside `gradients_summed_by_caller` it applies what it is given, and after it sums again."""
+    with mirrored.scope():
+        variable = tf.Variable(0.0)
+        optimizer = keras.optimizers.SGD(1.0)
+        optimizer.build([variable])
+    _require(optimizer, "_all_reduce_sum_gradients")
+
+    @tf.function
+    def step(summed_by_caller):
+        def replica():
+            if summed_by_caller:
+                with compat.gradients_summed_by_caller(optimizer):
+                    optimizer.apply([tf.constant(1.0)], [variable])
+            else:
+                optimizer.apply([tf.constant(1.0)], [variable])
+
+        mirrored.run(replica)
+
+    step(True)
+    assert float(variable.numpy()) == -1.0  # each replica's 1.0, not summed
+    step(False)
+    assert float(variable.numpy()) == -3.0  # Keras' own: 1.0 summed over 2 replicas
+    assert "_all_reduce_sum_gradients" not in vars(optimizer)

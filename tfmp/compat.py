@@ -18,9 +18,15 @@ versions that test passes on.
     keras.src.trainers.data_adapters        a PyDataset or Python generator as tf.data, exactly as
       .get_data_adapter                     model.fit reads it (workers, on_epoch_end; tfmp.fit)
     Model._initial_epoch                    the epoch BackupAndRestore restored (tfmp.fit)
+    MultiHeadAttention._compute_attention   the attention core Keras documents overriding
+      and ._flash_attention                 (tfmp.precision.attention replaces it on the instance)
+    Optimizer._all_reduce_sum_gradients     switched off while tfmp's engine has summed the
+                                            gradients itself (tfmp.distribute.allreduce)
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import keras
 import tensorflow as tf
@@ -97,3 +103,36 @@ def clear_restored_epoch(model: keras.Model) -> None:
     """Forgets the restored epoch once a fit has used it (BackupAndRestore sets it again)."""
     if hasattr(model, "_initial_epoch"):
         model._initial_epoch = None
+
+
+ATTENTION_CORE = "_compute_attention"  # MultiHeadAttention's hook for a custom attention core
+
+
+def keras_attention_core(layer, *args, **kwargs):
+    """Keras' own `MultiHeadAttention._compute_attention` for `layer` (its explicit path)."""
+    return keras.layers.MultiHeadAttention._compute_attention(layer, *args, **kwargs)
+
+
+def uses_flash_attention(layer) -> bool:
+    """Whether a MultiHeadAttention was made with `flash_attention=True` (kept privately)."""
+    return bool(getattr(layer, "_flash_attention", False))
+
+
+def _innermost(optimizer):
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+@contextlib.contextmanager
+def gradients_summed_by_caller(optimizer: keras.optimizers.Optimizer):
+    """While tracing `optimizer.apply` inside it, Keras' TensorFlow optimizer does not all-reduce
+    the gradients (the caller has summed them: `tfmp.distribute.allreduce`). Only the instance
+    is changed, and only for the trace: a later `model.fit` with the same optimizer sums as usual."""
+    inner = _innermost(optimizer)
+    # Past the trackable's __setattr__: a plain instance attribute, found before the class's method.
+    object.__setattr__(inner, "_all_reduce_sum_gradients", lambda grads_and_vars: list(grads_and_vars))
+    try:
+        yield
+    finally:
+        vars(inner).pop("_all_reduce_sum_gradients", None)

@@ -10,8 +10,9 @@ Modules: `policy` (which policy on which hardware), `probe` (this host's float32
 float16 speeds, measured once and cached, which "auto" and "mixed" choose by), `loss_scaling`
 (tfmp's replica-safe LossScaleOptimizer and the loss-scale flags), `doctor` (per-layer measurements, counted by
 `measures`), `report` (the table and precision_report.json), `layers` (copies of a model with
-float32 layers), `fused_norm` (BatchNormalization on the fused kernel and GroupNormalization on
-`group_norm`'s, half precision in and out).
+float32 layers), `fused_norm` (BatchNormalization on the fused kernel, GroupNormalization on `group_norm`'s,
+LayerNormalization and RMSNormalization on `layer_norm`'s, MultiHeadAttention's softmax on
+`attention`'s: half precision in and out).
 """
 
 from tfmp.precision.doctor import diagnose

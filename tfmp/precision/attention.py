@@ -51,6 +51,8 @@ import math
 import keras
 import tensorflow as tf
 
+from tfmp import compat
+
 FUSED_DTYPES = ("float16", "bfloat16", "float32")
 COMPILED_FROM_ELEMENTS = 65536  # as tfmp.precision.layer_norm: smaller inputs skip XLA
 # Keras' masked logit in float32 (backend/tensorflow/nn.py `_get_large_negative`).
@@ -91,7 +93,7 @@ def fused_compute_attention(
     if return_attention_scores or self.dropout > 0.0 or len(query.shape) != 4:
         # Keras' explicit path (softmax in the compute dtype, scores returned): Keras' own.
         extra = {"use_causal_mask": True} if use_causal_mask else {}
-        return keras.layers.MultiHeadAttention._compute_attention(
+        return compat.keras_attention_core(
             self, query, key, value, attention_mask, training, return_attention_scores, **extra
         )
     if attention_mask is not None:
@@ -106,10 +108,10 @@ def fused_compute_attention(
 def unfusable_reason(layer) -> str | None:
     """Why `fused_compute_attention` cannot stand in for this MultiHeadAttention's, or None."""
     base = keras.layers.MultiHeadAttention
-    for method in ("call", "_compute_attention"):
+    for method in ("call", compat.ATTENTION_CORE):
         if getattr(type(layer), method) is not getattr(base, method):
             return f"{type(layer).__name__} overrides {method}"
-    if getattr(layer, "_flash_attention", False):
+    if compat.uses_flash_attention(layer):
         return "flash_attention=True (TensorFlow has none: Keras' layer raises)"
     if not layer.built:
         return "not built: call or build the model first"

@@ -81,6 +81,7 @@ import types
 import keras
 import tensorflow as tf
 
+from tfmp import compat
 from tfmp.errors import UsageError
 from tfmp.precision import attention, group_norm, layer_norm
 
@@ -160,7 +161,7 @@ def is_fused(layer) -> bool:
 
 def _replaced(layer) -> str:
     """The method fusing replaces on the instance: MultiHeadAttention keeps Keras' `call`."""
-    return "_compute_attention" if isinstance(layer, keras.layers.MultiHeadAttention) else "call"
+    return compat.ATTENTION_CORE if isinstance(layer, keras.layers.MultiHeadAttention) else "call"
 
 
 def _fused_call_of(layer):

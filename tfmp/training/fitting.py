@@ -102,7 +102,7 @@ def prepare(model: keras.Model, xla: bool = False) -> tuple[tf.distribute.Strate
     if unfused and id(model) not in _hinted:
         _hinted.add(id(model))
         logging.warning(
-            "tfmp: %d normalization layer(s) run Keras' layer; %s",
+            "tfmp: %d normalization or attention layer(s) run Keras' layer; %s",
             len(unfused),
             run_card.FUSE_HINT,
         )

@@ -19,9 +19,9 @@ from tfmp.precision import fused_norm
 from tfmp.training.config import TrainConfig
 
 FUSE_HINT = (
-    "tfmp.fuse_normalization(model) before fit would compute them with TensorFlow's fused kernel: "
-    "half-precision activations stay half (Keras' layer keeps float32 copies for the backward pass), "
-    "the same numbers within rounding, the same weights and .keras file"
+    "tfmp.fuse_normalization(model) before fit would compute them on fused kernels (TensorFlow's "
+    "FusedBatchNormV3, tfmp's for the others): half-precision activations stay half (Keras' layers keep "
+    "float32 copies for the backward pass), the same numbers within rounding, the same weights and .keras file"
 )
 
 
