@@ -1,0 +1,146 @@
+"""Predict data-parallel scaling past one host: ring all-reduce time, step time, efficiency.
+
+    python -m apps.scaling                                    # resnet50, published A100 step
+    python -m apps.scaling --model=vit_b16 --devices=8,64,256 --links=nvlink,nvlink4,100gbe,400gbe
+    python -m apps.scaling --model=my_model --step_seconds=0.25 --allreduce_dtype=bfloat16
+    python -m apps.scaling --from_bench=bench-cpu-quick/bench.json --devices=2 --links=localhost
+    python -m tfmp.launch --workers=2 -- python -m apps.scaling --measure_link   # this host's link
+
+The compute time of one step on one device is --step_seconds, or the 1-worker cell of an
+apps.bench report (--from_bench: global batch / examples/s, with the measured N-worker scaling
+beside the prediction), or a published single-GPU figure (resnet50, vit_b16; the source is
+printed). The gradient bytes are the model's trainable parameters (tfmp.models, built at 224x224,
+1000 classes, or the bench cell's shape and classes) x 4 (float32) or 2 (bfloat16, float16).
+Links: nvlink (A100), nvlink4 (H100), 100gbe, 400gbe, localhost (measured here), or your own
+with --link_bandwidth and --link_latency. The model and its assumptions: tfmp/distribute/scaling.py
+and docs/distributed.md ("Scaling past one host").
+"""
+
+import math
+
+from absl import flags
+
+from apps import cli
+from tfmp import models
+from tfmp.bench import workloads
+from tfmp.classification import data
+from tfmp.distribute import scaling
+from tfmp.distribute import strategies as distribute
+from tfmp.errors import UsageError, unknown
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", None, "A tfmp.models name (default: resnet50, or the --from_bench report's).")
+flags.DEFINE_float("step_seconds", None, "Compute time of one step on one device (default: see above).")
+flags.DEFINE_list("allreduce_dtype", ["float32", "bfloat16"], "Dtypes the gradients are summed in.")
+flags.DEFINE_list("devices", ["8", "64", "256"], "Numbers of data-parallel devices.")
+flags.DEFINE_list("links", ["nvlink", "100gbe", "400gbe"], f"Any of {', '.join(scaling.LINKS)}, custom.")
+flags.DEFINE_float("link_bandwidth", None, "The custom link: bytes/s each device sends (bus bandwidth).")
+flags.DEFINE_float("link_latency", 10e-6, "The custom link: seconds per ring step.")
+flags.DEFINE_integer("bucket_bytes", scaling.DEFAULT_BUCKET_BYTES, "Overlapped all-reduce bucket size.")
+flags.DEFINE_float("overlap", 1.0, "Fraction of the backward pass that can hide communication (0-1).")
+flags.DEFINE_string("from_bench", None, "An apps.bench bench.json: the 1-worker step time and model.")
+flags.DEFINE_string("bench_precision", None, "--from_bench: which precision's cells (if several).")
+flags.DEFINE_bool("measure_link", False, "Time all-reduces between launched workers; print the link.")
+flags.DEFINE_list("measure_sizes", ["65536", "1048576", "4194304", "16777216"], "--measure_link: bytes.")
+
+
+def _devices() -> list[int]:
+    try:
+        devices = [int(value) for value in FLAGS.devices]
+    except ValueError:
+        raise UsageError(
+            f"--devices={','.join(FLAGS.devices)} must be whole numbers, e.g. 8,64,256"
+        ) from None
+    if not devices or min(devices) < 1:
+        raise UsageError(
+            f"--devices={','.join(FLAGS.devices)}: every count must be at least 1, e.g. 8,64,256"
+        )
+    return devices
+
+
+def _links() -> dict[str, scaling.Link]:
+    links = {}
+    for name in FLAGS.links:
+        if name == "custom":
+            if FLAGS.link_bandwidth is None:
+                raise UsageError("--links=custom needs --link_bandwidth (bytes/s), e.g. 25e9")
+            links[name] = scaling.Link("custom", FLAGS.link_bandwidth, FLAGS.link_latency, None, "flags")
+        else:
+            links[name] = scaling.link(name)
+    return links
+
+
+def _parameters(model: str, image_shape, num_classes: int) -> int:
+    built = models.build(model, tuple(image_shape), num_classes)
+    return sum(math.prod(weight.shape) for weight in built.trainable_weights)
+
+
+def _compute(model: str | None):
+    """(model, step seconds, where they come from, input shape, classes, measured efficiency)."""
+    if FLAGS.from_bench:
+        cell = scaling.read_bench_report(FLAGS.from_bench, model, FLAGS.bench_precision)
+        spec = workloads.dataset_spec({"model": cell.model, "data": cell.data})
+        classes = data.describe(spec, image_size=cell.image_size, verify=False).num_classes
+        source = (
+            f"{FLAGS.from_bench}: {cell.model} {cell.policy}, 1 worker, {cell.examples_per_sec:,.0f} ex/s"
+        )
+        seconds = FLAGS.step_seconds or cell.step_seconds
+        return cell.model, seconds, source, cell.image_shape, classes, cell.measured_efficiency
+    model = model or "resnet50"
+    if model not in models.MODELS:
+        raise unknown("model", model, models.MODELS)
+    if FLAGS.step_seconds is not None:
+        return model, FLAGS.step_seconds, "--step_seconds", (224, 224, 3), 1000, {}
+    if model not in scaling.PUBLISHED:
+        raise UsageError(
+            f"no published step time for {model!r}; give --step_seconds (one device's step) or --from_bench"
+        )
+    published = scaling.PUBLISHED[model]
+    source = (
+        f"published: {published.examples_per_sec:,.0f} img/s, {published.device}, {published.precision}, "
+        f"batch {published.batch_per_device} ({published.source})"
+    )
+    return model, published.step_seconds, source, (224, 224, 3), 1000, {}
+
+
+def _measure_link() -> None:
+    strategy = distribute.get_strategy("auto")
+    sizes = [int(size) for size in FLAGS.measure_sizes]
+    seconds = scaling.measure_allreduce(strategy, sizes)
+    replicas = strategy.num_replicas_in_sync
+    for size, time in zip(sizes, seconds):
+        print(f"{replicas} replicas, {size:>10,} bytes: {time * 1e3:8.2f} ms")
+    link = scaling.fit_link("measured", replicas, sizes, seconds)
+    print(
+        f"fitted: {link.bandwidth / 1e9:.3f} GB/s per device, {link.step_latency * 1e6:.0f} us per ring step"
+    )
+
+
+def main(argv):
+    del argv
+    if FLAGS.measure_link:
+        return _measure_link()
+    devices, links = _devices(), _links()
+    if FLAGS.step_seconds is not None:
+        scaling.check(FLAGS.step_seconds, 1, scaling.LINKS["100gbe"], FLAGS.bucket_bytes, FLAGS.overlap)
+    dtypes = [(dtype, scaling.gradient_bytes(1, dtype)) for dtype in FLAGS.allreduce_dtype]
+    model, seconds, source, shape, classes, measured = _compute(FLAGS.model)
+    parameters = _parameters(model, shape, classes)
+    rows = [
+        (
+            dtype,
+            key,
+            scaling.predict(seconds, parameters * size, count, link, FLAGS.bucket_bytes, FLAGS.overlap),
+        )
+        for dtype, size in dtypes
+        for key, link in links.items()
+        for count in devices
+    ]
+    print(f"{model}: {parameters:,} trainable parameters; step time from {source}")
+    print(scaling.table(model, seconds, rows))
+    for workers, efficiency in sorted(measured.items()):
+        print(f"measured in that report: {workers} workers / ({workers} x 1 worker) = {efficiency:.3f}")
+
+
+if __name__ == "__main__":
+    cli.run(main)
