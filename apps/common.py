@@ -14,6 +14,7 @@ import sys
 from absl import flags
 
 from tfmp import optim, precision
+from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.distribute.launch import LAUNCH_COMMAND_ENV, STARTUP_TIMEOUT_ENV
 from tfmp.errors import UsageError
@@ -80,6 +81,17 @@ flags.DEFINE_integer("diagnose_steps", DEFAULT_DIAGNOSE_STEPS, "Batches --diagno
 flags.DEFINE_string("strategy", "auto", f"Distribution: {', '.join(distribute.STRATEGIES)}.")
 flags.DEFINE_integer(
     "cpu_replicas", 0, "Split the CPU into N logical devices (MirroredStrategy without GPUs)."
+)
+flags.DEFINE_string(
+    "allreduce_dtype",
+    "auto",
+    f"dtype the gradients are summed in across replicas and workers: {', '.join(allreduce.DTYPES)} "
+    "(auto: bfloat16 under mixed_bfloat16, float32 otherwise).",
+)
+flags.DEFINE_integer(
+    "allreduce_bucket_bytes",
+    allreduce.DEFAULT_BUCKET_BYTES,
+    "Gradients all-reduced per call, in bytes, last layers first (overlaps the backward pass); 0: one call.",
 )
 flags.DEFINE_string("xla", "auto", f"XLA-compile forward+backward: {', '.join(XLA_CHOICES)}.")
 flags.DEFINE_integer("steps_per_execution", 1, "Training steps per host call.")

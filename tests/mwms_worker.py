@@ -42,6 +42,7 @@ import test_fused_layer_norm  # noqa: E402
 from tfmp import models, precision  # noqa: E402
 from tfmp.classification import data  # noqa: E402
 from tfmp.classification.task import compile_classifier  # noqa: E402
+from tfmp.distribute import allreduce  # noqa: E402
 from tfmp.distribute import strategies as distribute  # noqa: E402
 from tfmp.training.engine import Engine  # noqa: E402
 
@@ -154,6 +155,35 @@ def overflow_on_worker_1(strategy):
         ),
         flush=True,
     )
+    overflow_in_a_float16_sum(strategy)
+
+
+def overflow_in_a_float16_sum(strategy):
+    """Gradients summed in float16 (--allreduce_dtype=float16): worker 1's finite but huge images
+    overflow its float16 gradients; the sum is inf on both workers and both skip the step."""
+
+    def huge_on_worker_1(context):
+        dataset = data.load("digits", "train", GLOBAL_BATCH, image_size=IMAGE_SIZE, input_context=context)[0]
+        if context.input_pipeline_id == 1:
+            dataset = dataset.map(lambda images, labels: (images * 3e4, labels))
+        return dataset
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = models.build("lenet", (IMAGE_SIZE, IMAGE_SIZE, 1), 10, dtype="mixed_float16")
+        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), "mixed_float16", "dynamic")
+    compile_classifier(model, optimizer, strategy)
+    plan = allreduce.resolve("float16", "mixed_float16", True, strategy.num_replicas_in_sync)
+    engine = Engine(strategy, model, optimizer, allreduce_plan=plan)
+    before = _digest(_weights(model))
+    totals = engine.train(iter(strategy.distribute_datasets_from_function(huge_on_worker_1)), 1)
+    record = {"kind": "overflow_float16_sum", "unchanged": _digest(_weights(model)) == before}
+    record.update(
+        nonfinite_steps=totals.nonfinite_steps,
+        nonfinite_inputs=list(totals.nonfinite_inputs),
+        loss_scale=precision.current_loss_scale(optimizer),
+    )
+    print(json.dumps(record), flush=True)
 
 
 def _examples_counted(engine, evaluation):

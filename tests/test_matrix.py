@@ -84,6 +84,10 @@ def test_multi_worker_cells_train_and_replicas_end_identical(launched_workers):
         # Worker 1's overflow skipped the step everywhere: weights unchanged, scale halved.
         assert overflow["unchanged"] and overflow["nonfinite_steps"] >= 1, overflow
         assert overflow["loss_scale"] == 2.0**14, overflow
+        # Summed in float16: worker 1's overflowing gradients make the sum inf on both workers.
+        (summed,) = records["overflow_float16_sum"][worker]
+        assert summed["unchanged"] and summed["nonfinite_steps"] >= 1, summed
+        assert summed["nonfinite_inputs"] == [] and summed["loss_scale"] == 2.0**14, summed
     chief, other = records["classify"][0], records["classify"][1]
     assert len(chief) == len(other) == 2 * len(precision.POLICIES)
     assert [r["chief"] for r in chief] == [True] * 6 and [r["chief"] for r in other] == [False] * 6

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tfmp.distribute.allreduce import DEFAULT_BUCKET_BYTES
 from tfmp.distribute.strategies import DEFAULT_STARTUP_TIMEOUT
 
 
@@ -77,6 +78,8 @@ class DistributionConfig:
     steps_per_execution: int = 1
     intra_op_threads: int = 0  # 0: TensorFlow's default (one thread per core)
     inter_op_threads: int = 0
+    allreduce_dtype: str = "auto"  # the gradients' sum: auto | float32 | bfloat16 | float16
+    allreduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # per all-reduce call; 0: one call
 
 
 @dataclasses.dataclass

@@ -51,7 +51,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import precision
+from tfmp import compat, precision
+from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 
@@ -69,7 +70,8 @@ class StepResult:
     """What one host call of training reports."""
 
     metrics: dict  # the model's metrics since the last reset, over all replicas and workers
-    nonfinite_steps: float  # replica-steps whose loss or gradients were not finite
+    nonfinite_steps: float  # replica-steps whose loss or summed gradients were not finite (an
+    # overflow anywhere counts on every replica: the sums are alike)
     stop_requests: float  # > 0 when any worker asked to stop (preemption); not a count
     halted_at: int = 0  # 1 + the call's step that stopped training (not applied, nor any after); 0: none
     nonfinite_inputs: tuple = ()  # which of "features", "labels", "sample weights" of that step were not finite
@@ -105,12 +107,15 @@ class Engine:
         xla: bool = False,
         gradients=None,
         forward=None,
+        allreduce_plan: allreduce.Plan | None = None,
     ):
         """`gradients(engine, x, y, sample_weight) -> (y_pred, loss, gradients)` replaces the
         one-tape forward/backward pass (a pipeline computes it stage by stage); the loss it
         returns is unscaled and the gradients are those of `optimizer.scale_loss(loss)`.
         `forward(engine, x, training) -> y_pred` replaces the eval/predict forward pass (a
-        pipeline's runs stage by stage, each stage compiled on its own device with XLA)."""
+        pipeline's runs stage by stage, each stage compiled on its own device with XLA).
+        `allreduce_plan` says in which dtype and buckets the gradients are summed (default:
+        `allreduce.resolve("auto", ...)` for the model's policy)."""
         if not getattr(model, "compiled", False) or model.optimizer is None:
             raise UsageError(
                 f"model {model.name!r} is not compiled; call model.compile(optimizer, loss, "
@@ -126,6 +131,9 @@ class Engine:
         self.loss_scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         self.xla = xla
         self.worker_local = _worker_local_variables(strategy, model, self.optimizer)
+        self.allreduce = allreduce_plan or allreduce.resolve(
+            "auto", model.dtype_policy.name, self.loss_scaling, strategy.num_replicas_in_sync
+        )
         self._local_replicas = (
             len(strategy.extended.worker_devices) if strategy.num_replicas_in_sync > 1 else 1
         )
@@ -190,8 +198,22 @@ class Engine:
         whether to apply them."""
         x, y, sample_weight, _ = _unpack(data)
         y_pred, loss, gradients = self._gradients(x, y, sample_weight)
-        if not apply:
-            gradients = _all_reduce_by_device(tf.distribute.get_replica_context(), gradients)
+        context = tf.distribute.get_replica_context()
+        if context.num_replicas_in_sync > 1:
+            # Summed here, in the plan's dtype and buckets; the optimizer then applies the sums
+            # as they are (its own float32 all-reduce is off: compat.gradients_summed_by_caller).
+            gradients = allreduce.all_reduce(context, gradients, self.allreduce)
+        with compat.gradients_summed_by_caller(self.optimizer):
+            return self._verdict_and_update(
+                x, y, sample_weight, y_pred, loss, gradients, stop_requested, offset, apply
+            )
+
+    def _verdict_and_update(
+        self, x, y, sample_weight, y_pred, loss, gradients, stop_requested, offset, apply
+    ):
+        """The step's finite verdict, agreed, its metrics and status, then the update (or, with
+        `apply=False`, the summed gradients and whether to apply them). The gradients are the
+        replicas' sums already: an overflow in a sum is non-finite on every replica alike."""
         # The loss alone can look finite when the gradients are not (cross-entropy clips NaN
         # probabilities), so the verdict checks the gradients themselves.
         finite = _all_finite([g for g in gradients if g is not None] + [loss])
@@ -450,22 +472,6 @@ def _worker_local_variables(strategy, model: keras.Model, optimizer) -> bool:
             "it (a pipeline per worker); make the optimizer outside the scope too"
         )
     return True
-
-
-def _all_reduce_by_device(context, gradients: list) -> list:
-    """`gradients` summed over every replica, one all-reduce per device the gradients are on (a
-    pipeline's stages), run on that device; None stays None."""
-    by_device = {}
-    for position, gradient in enumerate(gradients):
-        if gradient is not None:
-            by_device.setdefault(gradient.device, []).append(position)
-    reduced = list(gradients)
-    for device, positions in by_device.items():
-        with tf.device(device):
-            sums = context.all_reduce(tf.distribute.ReduceOp.SUM, [gradients[p] for p in positions])
-        for position, summed in zip(positions, sums):
-            reduced[position] = summed
-    return reduced
 
 
 def _loss_tracker(model: keras.Model) -> keras.metrics.Metric:

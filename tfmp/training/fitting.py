@@ -48,6 +48,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import precision, run_dir, write_faults
+from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError, WriteFailed
 from tfmp.precision import fused_norm
@@ -92,11 +93,17 @@ def _check_compiled(model: keras.Model) -> None:
 _hinted = set()  # models told once about unfused normalization
 
 
-def prepare(model: keras.Model, xla: bool = False) -> tuple[tf.distribute.Strategy, Engine, str | None]:
+def prepare(
+    model: keras.Model,
+    xla: bool = False,
+    allreduce_dtype: str | None = None,
+    allreduce_bucket_bytes: int = allreduce.DEFAULT_BUCKET_BYTES,
+) -> tuple[tf.distribute.Strategy, Engine, str | None]:
     """Strategy, engine and loss-scaling note for a compiled model (shared by fit, evaluate and
-    predict). The engine is kept on the model while the model's compilation, strategy and XLA
-    setting stay the same, so a second call traces nothing again (as Keras keeps
-    `model.train_function`)."""
+    predict). The engine is kept on the model while the model's compilation, strategy, XLA
+    setting and all-reduce stay the same, so a second call traces nothing again (as Keras keeps
+    `model.train_function`); `allreduce_dtype=None` (evaluate, predict: nothing is summed) takes
+    the kept engine's, or auto."""
     _check_compiled(model)
     unfused = fused_norm.unfused(model)
     if unfused and id(model) not in _hinted:
@@ -111,10 +118,26 @@ def prepare(model: keras.Model, xla: bool = False) -> tuple[tf.distribute.Strate
     if optimizer is not model.optimizer:
         logging.warning("tfmp: %s", note)
         model.optimizer = optimizer
-    key = (id(strategy), id(optimizer), xla, id(model.loss), tuple(map(id, model.metrics)))
     kept_key, engine = getattr(model, _ENGINE_ATTRIBUTE, (None, None))
+    if allreduce_dtype is None:
+        allreduce_dtype, allreduce_bucket_bytes = (
+            ("auto", allreduce_bucket_bytes)
+            if engine is None
+            else (
+                engine.allreduce.requested,
+                engine.allreduce.bucket_bytes,
+            )
+        )
+    summing = allreduce.resolve(
+        allreduce_dtype,
+        model.dtype_policy.name,
+        isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
+        strategy.num_replicas_in_sync,
+        allreduce_bucket_bytes,
+    )
+    key = (id(strategy), id(optimizer), xla, summing, id(model.loss), tuple(map(id, model.metrics)))
     if kept_key != key:
-        engine = Engine(strategy, model, optimizer, xla=xla)
+        engine = Engine(strategy, model, optimizer, xla=xla, allreduce_plan=summing)
         # Not a Keras attribute: set past Layer.__setattr__, which would track it for saving.
         object.__setattr__(model, _ENGINE_ATTRIBUTE, (key, engine))
     return strategy, engine, note
@@ -146,6 +169,8 @@ def fit(
     seed: int = 0,
     steps_per_execution: int = 1,
     xla: bool = False,
+    allreduce_dtype: str = "auto",
+    allreduce_bucket_bytes: int = allreduce.DEFAULT_BUCKET_BYTES,
     checkpoint_every: int = 0,
     keep_checkpoints: int = 3,
     log_every: int = 50,
@@ -155,7 +180,8 @@ def fit(
 
     Takes `model.fit`'s arguments, in its order and with its defaults and meaning; tfmp's own
     come after, by keyword: `model_dir` (checkpoints, exact resume, logs), `seed` (array
-    shuffling), `steps_per_execution`, `xla`, `checkpoint_every`, `keep_checkpoints`,
+    shuffling), `steps_per_execution`, `xla`, `allreduce_dtype` and `allreduce_bucket_bytes`
+    (how the gradients are summed: `tfmp.distribute.allreduce`), `checkpoint_every`, `keep_checkpoints`,
     `log_every`, and `show_run_card` (default: printed when `model_dir` is given and `verbose`).
 
     Raises `tfmp.errors.UsageError` (one line, nothing written) for arguments Keras refuses too,
@@ -184,7 +210,7 @@ def fit(
     if validation_data is not None:
         validation = fit_data.validation_data_of(validation_data, validation_batch_size or batch_size)
     fit_data.check_data(model, strategy, train, validation)
-    strategy, engine, note = prepare(model, xla)
+    strategy, engine, note = prepare(model, xla, allreduce_dtype, allreduce_bucket_bytes)
     verbose = verbose if topology.is_chief else 0  # one progress bar for the whole job
     settings = LoopSettings(
         total_steps=epochs * steps_per_epoch,
@@ -268,7 +294,11 @@ def _open_run_files(stack, model, engine, model_dir, keep_checkpoints, train):
         )
         stack.callback(checkpoints.close)
     # Keras' progress bar (a callback of the loop's) shows the progress; the reporter writes files.
-    reporter = Reporter(model_dir if topology.is_chief else None, verbose=False)
+    reporter = Reporter(
+        model_dir if topology.is_chief else None,
+        verbose=False,
+        tags={"allreduce_dtype": engine.allreduce.dtype},
+    )
     stack.callback(reporter.close, failing=True)  # on an error; on success closed before, raising
     return checkpoints, reporter
 

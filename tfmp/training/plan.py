@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import tensorflow as tf
 
 from tfmp import optim, precision, pruning
+from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.distribute.cluster import parse_tf_config
 from tfmp.distribute.launch import RUN_NAME_ENV
@@ -127,6 +128,7 @@ class Plan:
     learning_rate: float
     schedule: optim.WarmupSchedule
     prune_schedule: pruning.ConstantSchedule | None
+    allreduce: allreduce.Plan  # the gradients' sum: dtype and buckets
     # Whose scope makes the model's and the optimizer's variables: `strategy`, or with a
     # pipeline on every worker the default strategy (each worker's variables are its own, on its
     # stages' devices; the replicas all-reduce the gradients, see training.engine).
@@ -165,6 +167,13 @@ def make_plan(config: TrainConfig, task: Plannable) -> Plan:
     loss_scale = precision.parse_loss_scale(config.precision.loss_scale)
     info = task.describe(config)
     use_xla, xla_reason = resolve_xla(config.distribution.xla)
+    summing = allreduce.resolve(
+        config.distribution.allreduce_dtype,
+        policy,
+        loss_scaling=policy == "mixed_float16" and loss_scale is not None,
+        replicas=strategy.num_replicas_in_sync,
+        bucket_bytes=config.distribution.allreduce_bucket_bytes,
+    )
     per_replica_batch = distribute.per_replica_batch(config.data.global_batch_size, strategy)
     steps_per_epoch = (
         config.optimization.steps_per_epoch or info.train_examples // config.data.global_batch_size
@@ -233,6 +242,7 @@ def make_plan(config: TrainConfig, task: Plannable) -> Plan:
         learning_rate,
         schedule,
         prune_schedule,
+        summing,
         tf.distribute.get_strategy() if one_replica_per_worker else strategy,
     )
 

@@ -4,7 +4,8 @@ Only the chief writes files; the other workers get a `Reporter` with `model_dir=
 keeps quiet. Files in the model dir:
 
     run_card.json      every setting that decides speed and numerics (printed at start too)
-    metrics.jsonl      one JSON object per log point: step, split, loss, accuracy, lr, ...
+    metrics.jsonl      one JSON object per log point: step, split, loss, accuracy, lr, ... and
+                       the run's tags (the all-reduce dtype)
     tensorboard/{train,eval}/   the same scalars for `tensorboard --logdir`
 
 The run card is written whole (renamed into place); metrics.jsonl is opened at the first record
@@ -42,9 +43,10 @@ def format_run_card(card: dict) -> str:
 class Reporter:
     """Writes run card, scalars and progress; a no-op writer where `model_dir` is None."""
 
-    def __init__(self, model_dir: str | None, verbose: bool = True):
+    def __init__(self, model_dir: str | None, verbose: bool = True, tags: dict | None = None):
         self.model_dir = model_dir
         self.verbose = verbose
+        self.tags = dict(tags or {})  # written as they are into every metrics.jsonl record
         self._writers = {}
         self._metrics_file = None
         self._progress = None
@@ -75,7 +77,7 @@ class Reporter:
         """Logs `values` (name -> number) at `step` to metrics.jsonl and TensorBoard."""
         if not self.model_dir:
             return
-        record = {"step": step, "split": split, "time": round(time.time(), 3)}
+        record = {"step": step, "split": split, "time": round(time.time(), 3), **self.tags}
         record.update({k: float(v) for k, v in values.items()})
         with write_faults.guarded(f"logging step {step}", os.path.join(self.model_dir, run_dir.METRICS_FILE)):
             self._metrics().write(json.dumps(record) + "\n")

@@ -115,7 +115,11 @@ def _train(config, task, plan, built, checkpoints, start_step, resolved_flags, r
     """Writes the flags and the run card, trains from `start_step`, saves model.keras; the summary."""
     (model, engine, stages, pruner), model_dir = built, checkpoints.model_dir
     is_chief = plan.topology.is_chief
-    reporter = Reporter(model_dir if is_chief else None, verbose=config.verbose and is_chief)
+    reporter = Reporter(
+        model_dir if is_chief else None,
+        verbose=config.verbose and is_chief,
+        tags={"allreduce_dtype": engine.allreduce.dtype},
+    )
     try:
         if resolved_flags and is_chief:
             path = os.path.join(model_dir, run_dir.FLAGS_FILE)
@@ -192,6 +196,7 @@ def _build(config: TrainConfig, plan: Plan, task: Task) -> tuple:
         xla=plan.use_xla,
         gradients=pipeline.gradients_fn(stages) if stages else None,
         forward=pipeline.forward_fn(stages) if stages else None,
+        allreduce_plan=plan.allreduce,
     )
     pruner = None
     if plan.prune_schedule is not None:
@@ -223,6 +228,8 @@ RESUMABLE_CHANGES = frozenset(
         "warmup_steps",
         "lr_decay",
         "global_batch_size",
+        "allreduce_dtype",  # how the gradients are summed: not what they are
+        "allreduce_bucket_bytes",
         "log_every",
         "checkpoint_every",
         "keep_checkpoints",

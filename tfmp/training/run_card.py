@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 from tfmp import precision
+from tfmp.distribute import allreduce
 from tfmp.precision import fused_norm
 from tfmp.training.config import TrainConfig
 
@@ -68,6 +69,7 @@ def describe(config, plan, model, engine, start_step, shard_policies, model_dir,
         "steps": f"{plan.total_steps} ({plan.epochs} epoch(s) x {plan.steps_per_epoch}), from step {start_step}",
         "steps per execution": config.distribution.steps_per_execution,
         "xla": f"{'on' if plan.use_xla else 'off'} ({plan.xla_reason}; {engine.xla_parts})",
+        "all-reduce": allreduce_row(engine),
         "shard policy": ", ".join(sorted(set(shard_policies))) or "n/a",
         "threads": f"intra-op {distribution.intra_op_threads or 'default'}, "
         f"inter-op {distribution.inter_op_threads or 'default'}, "
@@ -92,6 +94,13 @@ def pipeline_rows(stages, workers: int) -> dict:
     return rows
 
 
+def allreduce_row(engine) -> str:
+    """The gradients' sum: dtype, buckets, why, and the bytes each replica sends per step."""
+    plan = engine.allreduce
+    sent = allreduce.gradient_bytes(engine.model.trainable_variables, plan.dtype)
+    return f"{plan.describe()}; {sent / 2**20:.2f} MiB of gradients per replica per step"
+
+
 def describe_fit(model, engine, topology, settings, start_step, xla, note, model_dir) -> dict:
     """The run card of a `tfmp.fit` call (`settings`: its LoopSettings)."""
     global_batch_size, steps_per_epoch = settings.global_batch_size, settings.steps_per_epoch
@@ -114,6 +123,7 @@ def describe_fit(model, engine, topology, settings, start_step, xla, note, model
         "steps": f"{settings.total_steps} ({settings.total_steps // steps_per_epoch} epoch(s) x "
         f"{steps_per_epoch}), from step {start_step}",
         "xla": f"on ({engine.xla_parts})" if xla else "off",
+        "all-reduce": allreduce_row(engine),
         "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
         "model dir": os.path.abspath(model_dir) if model_dir else "none (no checkpoints or logs)",
     }
