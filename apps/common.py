@@ -47,6 +47,9 @@ flags.DEFINE_integer("global_batch_size", 64, "Global batch over all replicas an
 flags.DEFINE_string("optimizer", "adam", f"One of {', '.join(optim.OPTIMIZERS)}.")
 flags.DEFINE_float("learning_rate", 1e-3, "Base learning rate, for --reference_batch_size.")
 flags.DEFINE_float("weight_decay", 0.0, "Decoupled weight decay of the optimizer.")
+flags.DEFINE_float(
+    "label_smoothing", 0.0, "Classification: the share of each label spread over all classes (DeiT: 0.1)."
+)
 flags.DEFINE_string(
     "lr_scaling", "none", "Scale the learning rate with the global batch: none, linear, sqrt."
 )

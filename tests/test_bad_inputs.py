@@ -41,6 +41,7 @@ APP_CASES = [
     ("classify", ["--allreduce_dtype=half"], {}, "unknown --allreduce_dtype value 'half'"),
     ("classify", ["--allreduce_dtype=float16"], {}, "float16 under the float32 policy, without loss scaling"),
     ("classify", ["--allreduce_bucket_bytes=-1"], {}, "--allreduce_bucket_bytes=-1 must be 0"),
+    ("classify", ["--label_smoothing=1.5"], {}, "--label_smoothing=1.5 must be in [0, 1)"),
     ("classify", ["--strategy=tpu"], {}, "unknown strategy 'tpu'"),
     ("classify", ["--prune_sparsity=0.5", "--prune_schedule=cubic"], {}, "cubic"),
     ("classify", ["--no_such_flag=1"], {}, "no_such_flag"),

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfmp import models, precision, pruning
 from tfmp.classification import data
-from tfmp.classification.task import TASK, compile_classifier
+from tfmp.classification.task import TASK, SmoothedSparseCrossentropy, compile_classifier
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import TrainingDiverged, UsageError
 from tfmp.training import checkpoint
@@ -329,3 +329,20 @@ def test_impossible_pipelines_are_refused_before_anything_is_written(tmp_path, o
     with pytest.raises(UsageError, match=message) as error:
         train_and_evaluate(task=TASK, config=_config(tmp_path / "run", **{"strategy": "auto", **overrides}))
     assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
+
+
+def test_label_smoothing_is_keras_categorical_smoothing_on_one_hot_ids_and_saves():
+    """--label_smoothing's loss equals Keras' CategoricalCrossentropy(label_smoothing) on the
+    one-hot labels, weights included, and a model compiled with it saves and loads."""
+    rng = np.random.default_rng(0)
+    probabilities = rng.dirichlet(np.ones(5), size=8).astype(np.float32)
+    labels = rng.integers(0, 5, 8)
+    weights = rng.uniform(size=8).astype(np.float32)
+    ours = SmoothedSparseCrossentropy(0.1)(labels, probabilities, sample_weight=weights)
+    keras_loss = keras.losses.CategoricalCrossentropy(label_smoothing=0.1)
+    expected = keras_loss(np.eye(5, dtype=np.float32)[labels], probabilities, sample_weight=weights)
+    np.testing.assert_allclose(float(ours), float(expected), rtol=4 * np.finfo(np.float32).eps)
+    assert (
+        SmoothedSparseCrossentropy.from_config(SmoothedSparseCrossentropy(0.1).get_config()).label_smoothing
+        == 0.1
+    )

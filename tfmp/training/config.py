@@ -44,6 +44,7 @@ class OptimizationConfig:
     optimizer: str = "adam"
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
+    label_smoothing: float = 0.0  # classification: (1 - e) x the label + e spread over the classes
     lr_scaling: str = "none"
     reference_batch_size: int = 256
     warmup_steps: int = 0

@@ -88,6 +88,11 @@ def _check_ranges(config: TrainConfig) -> None:
         raise UsageError(
             f"--image_size={config.data.image_size} must be a positive number of pixels, e.g. 32"
         )
+    if not 0.0 <= config.optimization.label_smoothing < 1.0:
+        raise UsageError(
+            f"--label_smoothing={config.optimization.label_smoothing} must be in [0, 1): the share of "
+            "each label spread over the classes, e.g. 0.1"
+        )
     if config.optimization.reference_batch_size < 1:
         raise UsageError(
             f"--reference_batch_size={config.optimization.reference_batch_size} must be positive, e.g. 256"
@@ -129,6 +134,7 @@ class Plan:
     schedule: optim.WarmupSchedule
     prune_schedule: pruning.ConstantSchedule | None
     allreduce: allreduce.Plan  # the gradients' sum: dtype and buckets
+    label_smoothing: float  # a classifier's loss: the share of each label spread over the classes
     # Whose scope makes the model's and the optimizer's variables: `strategy`, or with a
     # pipeline on every worker the default strategy (each worker's variables are its own, on its
     # stages' devices; the replicas all-reduce the gradients, see training.engine).
@@ -243,6 +249,7 @@ def make_plan(config: TrainConfig, task: Plannable) -> Plan:
         schedule,
         prune_schedule,
         summing,
+        config.optimization.label_smoothing,
         tf.distribute.get_strategy() if one_replica_per_worker else strategy,
     )
 
