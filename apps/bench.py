@@ -37,7 +37,9 @@ fused_vs_keras_norm (examples/s and live peak); --models also takes the plain Ke
 keras_bn_cnn and keras_resnet (`tfmp.bench.keras_models`: keras.layers only, trained by tfmp's
 Engine). --bn_study adds one BatchNormalization alone, Keras' layer vs fused, forward + backward
 on a --bn_study_shape tensor in float32, mixed_bfloat16 and mixed_float16 (fused_vs_keras_bn);
---bn_study_groups=G studies GroupNormalization(G) instead.
+--bn_study_groups=G studies GroupNormalization(G) instead; --bn_study_layers=BatchNormalization,
+LayerNormalization,RMSNormalization,MultiHeadAttention adds the transformer layers on a
+--bn_study_sequence_shape (batch, tokens, width) input, attention with --bn_study_heads heads.
 
 --mode=memory --memory_budget_mb=N finds, per model and precision, the largest global batch
 whose training step's live peak fits N MiB (`tfmp.bench.memory`: a line fitted through
@@ -131,6 +133,18 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "bn_study_groups", 0, "--bn_study: 0 studies BatchNormalization, G > 0 GroupNormalization(G)."
 )
+flags.DEFINE_list(
+    "bn_study_layers",
+    ["BatchNormalization"],
+    "--bn_study: BatchNormalization (on --bn_study_shape), LayerNormalization, RMSNormalization, "
+    "MultiHeadAttention (on --bn_study_sequence_shape).",
+)
+flags.DEFINE_list(
+    "bn_study_sequence_shape",
+    ["64", "65", "192"],
+    "--bn_study: the (batch, tokens, width) input of the sequence layers (vit_tiny's at batch 64).",
+)
+flags.DEFINE_integer("bn_study_heads", 3, "--bn_study: MultiHeadAttention's heads (width / heads each).")
 flags.DEFINE_float("memory_budget_mb", 0, "--mode=memory: the live-peak budget (MiB) a batch must fit.")
 flags.DEFINE_list(
     "memory_probe_batches", ["16", "32"], "--mode=memory: batches the live-peak line is fitted to."
@@ -241,6 +255,9 @@ def _config() -> bench.BenchConfig:
         bn_study_shape=_integers("bn_study_shape"),
         bn_study_rounds=FLAGS.bn_study_rounds,
         bn_study_groups=FLAGS.bn_study_groups,
+        bn_study_layers=FLAGS.bn_study_layers,
+        bn_study_sequence_shape=_integers("bn_study_sequence_shape"),
+        bn_study_heads=FLAGS.bn_study_heads,
         memory_budget_mb=FLAGS.memory_budget_mb,
         memory_probe_batches=_integers("memory_probe_batches"),
         memory_batch_step=FLAGS.memory_batch_step,

@@ -17,6 +17,7 @@ from conftest import run_python
 from tfmp.bench import matrix as bench
 from tfmp.bench import memory, schema
 from tfmp.bench import report as bench_report
+from tfmp.bench import studies as bench_studies
 from tfmp.errors import UsageError
 
 ENVIRONMENT = bench.Environment(
@@ -54,7 +55,7 @@ def test_fused_norm_is_a_dimension_of_classifier_and_detector_cells():
     labels = [
         bench.describe_cell(c) for c in engine if c["model"] == "keras_bn_cnn" and c["kind"] == "engine"
     ]
-    assert [label.endswith("[fused BN]") for label in labels] == [False, True, False, True]
+    assert [label.endswith("[fused norm]") for label in labels] == [False, True, False, True]
 
 
 def test_bn_study_plans_one_cell_per_precision():
@@ -77,6 +78,55 @@ def test_bn_study_plans_one_cell_per_precision():
         "groups": 4,
     }
     assert bench.describe_cell(study).startswith("GroupNormalization(4) alone float32: Keras' layer vs fused")
+
+
+def test_bn_study_plans_transformer_layers_on_the_sequence_shape():
+    config = _config(
+        bn_study=True,
+        bn_study_rounds=3,
+        bn_study_layers=["LayerNormalization", "MultiHeadAttention"],
+        bn_study_sequence_shape=[2, 5, 8],
+        bn_study_heads=2,
+    )
+    bench.validate(config, ENVIRONMENT)
+    studies = [c for c in bench.cells(config, ENVIRONMENT) if c["kind"] == "bn_study"]
+    shared = {"kind": "bn_study", "shape": [2, 5, 8], "rounds": 3}
+    assert studies == [
+        *(dict(shared, precision=p, layer="LayerNormalization") for p in bench_studies.BN_STUDY_PRECISIONS),
+        *(
+            dict(shared, precision=p, layer="MultiHeadAttention", heads=2)
+            for p in bench_studies.BN_STUDY_PRECISIONS
+        ),
+    ]
+    assert bench.describe_cell(studies[-1]).startswith(
+        "MultiHeadAttention(2 heads) alone mixed_float16: Keras' layer vs fused, fwd+bwd on 2x5x8"
+    )
+
+
+STUDY_SCRIPT = """
+import json
+from tfmp.bench import bn_study
+for layer, heads in [("LayerNormalization", 0), ("RMSNormalization", 0), ("MultiHeadAttention", 2)]:
+    print(json.dumps(bn_study.measure("mixed_bfloat16", [2, 5, 8], rounds=2, layer=layer, heads=heads)))
+"""
+
+
+@pytest.mark.slow  # a TensorFlow process: 5-20 s on 2 shared cores
+def test_bn_study_times_each_transformer_layer_keras_vs_fused():
+    """Tiny, one process (the BFC allocator keeps the live peak on CPUs without oneDNN, as the
+    bench's cells have it): each layer's study builds, fuses (bn_study asserts it) and reports."""
+    result = run_python(["-c", STUDY_SCRIPT], env={"TF_CPU_ALLOCATOR_USE_BFC": "true"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["layer"] for r in found] == [
+        "LayerNormalization",
+        "RMSNormalization",
+        "MultiHeadAttention(2 heads)",
+    ]
+    for study in found:
+        assert set(study) == set(schema.BN_STUDY_RESULT)
+        assert (study["compute_dtype"], study["shape"], len(study["ratios"])) == ("bfloat16", [2, 5, 8], 2)
+        assert study["keras_ms"] > 0 and study["fused_ms"] > 0
 
 
 def test_memory_settings_are_one_device_train_cells_without_a_batch():
@@ -105,6 +155,16 @@ def test_memory_settings_are_one_device_train_cells_without_a_batch():
         (dict(bn_study_groups=3), "bn_study_groups=3 must be 0 or divide the channels"),
         (dict(bn_study_groups=-1), "bn_study_groups=-1 must be 0 or divide the channels"),
         (dict(models=["keras_vgg"]), "unknown model 'keras_vgg'; choose one of: .*keras_bn_cnn"),
+        (dict(bn_study_layers=[]), "--bn_study_layers needs at least one of BatchNormalization, "),
+        (
+            dict(bn_study_layers=["LayerNorm"]),
+            "--bn_study_layers value 'LayerNorm' is not one of BatchNormalization, LayerNormalization",
+        ),
+        (dict(bn_study_sequence_shape=[64, 192]), r"--bn_study_sequence_shape=\[64, 192\] must be 3 sizes"),
+        (
+            dict(bn_study_layers=["MultiHeadAttention"], bn_study_heads=5),
+            "--bn_study_heads=5 must be >= 1 and divide the width 192",
+        ),
     ],
 )
 def test_validate_refuses_bad_norm_settings(changes, message):
@@ -279,7 +339,7 @@ def test_batch_ratios_schema_and_table_from_hand_made_searches():
     fused = {row["precision"]: row["value"] for row in report["ratios"]["largest_batch_fused_vs_keras_norm"]}
     assert fused == pytest.approx({"float32": 60 / 48, "mixed_bfloat16": 96 / 60})
     text = memory.table(report)
-    assert "largest batch mixed_bfloat16 / float32: m fused BN xla=off: 96 / 60 = 1.60x" in text
+    assert "largest batch mixed_bfloat16 / float32: m fused norm xla=off: 96 / 60 = 1.60x" in text
     broken = copy.deepcopy(report)
     del broken["searches"][0]["largest_batch"]
     with pytest.raises(schema.SchemaError, match=r"searches\[0\]: missing \['largest_batch'\]"):
@@ -351,7 +411,7 @@ def test_fused_vs_keras_norm_pairs_cells_that_differ_only_in_fusing():
     assert bn["layer"] == "BatchNormalization"  # a result without "layer": an older report
     text = bench_report.table(cells, ratios)
     assert (
-        "fused / Keras BatchNormalization: keras_bn_cnn mixed_bfloat16 batch 64 1 replica(s) xla=off: examples/s 1.25x"
+        "fused / Keras normalization: keras_bn_cnn mixed_bfloat16 batch 64 1 replica(s) xla=off: examples/s 1.25x"
         in text
     )
     assert (
@@ -428,7 +488,7 @@ def test_tiny_fused_norm_keras_model_and_bn_study_run(tmp_path):
     assert [c["result"]["compute_dtype"] for c in studies] == ["float32", "bfloat16", "float16"]
     assert all(len(c["result"]["ratios"]) == 2 for c in studies)
     assert len(report["ratios"]["fused_vs_keras_bn"]) == 3
-    assert "fused / Keras BatchNormalization: keras_bn_cnn mixed_bfloat16 batch 8" in result.stdout
+    assert "fused / Keras normalization: keras_bn_cnn mixed_bfloat16 batch 8" in result.stdout
     assert "BatchNormalization alone, fwd+bwd on 4x8x8x16 mixed_float16" in result.stdout
 
 

@@ -1,20 +1,27 @@
-"""One normalization layer alone: Keras' layer against the fused one, forward + backward.
+"""One normalization or attention layer alone: Keras' layer against the fused one, forward + backward.
 
     from tfmp.bench import bn_study
     result = bn_study.measure("mixed_bfloat16", shape=[64, 48, 48, 64], rounds=20)
     result["value"]      # fused / Keras seconds per call: the median of the rounds' ratios
     bn_study.measure("mixed_bfloat16", shape=[8, 64, 64, 64], rounds=20, groups=32)  # GroupNorm
+    bn_study.measure("mixed_bfloat16", shape=[64, 65, 192], rounds=20, layer="LayerNormalization")
+    bn_study.measure("mixed_bfloat16", shape=[64, 65, 192], rounds=20, layer="MultiHeadAttention", heads=3)
 
-Runs in a cell process of its own, one per policy (`python -m apps.bench --bn_study` plans
-`{"kind": "bn_study", "precision": ..., "shape": [...], "rounds": N}` for float32,
-mixed_bfloat16 and mixed_float16; a cell with "groups": G studies GroupNormalization(G)
-instead: `python -m tfmp.bench.cell '{..., "groups": 32}'`). Two BatchNormalization (or
-GroupNormalization) layers of the policy (Keras' defaults otherwise), one left as Keras computes
-it and one put on FusedBatchNormV3 (on `tfmp.precision.group_norm`) by
-`tfmp.precision.fuse_normalization`, each in a `tf.function` of one training-mode forward and
-the gradients with respect to the input, gamma and beta (a fixed random upstream gradient, so
-the backward pass is a real one), on the same input in the policy's compute dtype: what a
-convolution hands the normalization inside a mixed-precision model.
+Runs in a cell process of its own, one per policy and layer (`python -m apps.bench --bn_study`
+plans `{"kind": "bn_study", "precision": ..., "shape": [...], "rounds": N}` for float32,
+mixed_bfloat16 and mixed_float16, and one more per `--bn_study_layers` entry with
+`"layer": ...` (and `"heads": H` for attention); a cell with "groups": G studies
+GroupNormalization(G) instead of BatchNormalization: `python -m tfmp.bench.cell '{...,
+"groups": 32}'`). Two layers of the policy (Keras' defaults otherwise; ViT's epsilon 1e-6 for
+LayerNormalization and RMSNormalization), one left as Keras computes it and one put on tfmp's
+kernels by `tfmp.precision.fuse_normalization` (FusedBatchNormV3, `tfmp.precision.group_norm`,
+`layer_norm` or `attention`), each in a `tf.function` of one training-mode forward and the
+gradients with respect to the input and every weight (a fixed random upstream gradient, so the
+backward pass is a real one), on the same input in the policy's compute dtype: what the layer
+before hands the normalization inside a mixed-precision model. BatchNormalization and
+GroupNormalization take a 4-D (batch, height, width, channels) input; LayerNormalization,
+RMSNormalization (over the last axis) and MultiHeadAttention (self-attention, `heads` heads of
+width / heads, no mask) a 3-D (batch, tokens, width) one.
 
 The two are timed in turn, in one process: each round times `calls` calls of one function,
 then of the other (the order alternates from round to round), so what the shared machine does
@@ -33,20 +40,39 @@ import keras
 import tensorflow as tf
 
 from tfmp import precision
+from tfmp.bench.studies import ATTENTION, BATCH_NORMALIZATION, study_layer_name
 
 MIN_TIMING_SECONDS = 0.2  # one timed batch of calls: well above timer and dispatch noise
 WARMUP_CALLS = 2  # the first call traces
+SEQUENCE_EPSILON = 1e-6  # ViT's and DeiT's (tfmp.models.vit), as the ViT study shapes are
 
 
-def _forward_backward(policy: str, shape: list[int], fused: bool, groups: int = 0):
-    """A tf.function: one BatchNormalization's (GroupNormalization(groups)'s if groups > 0)
-    training forward and its gradients."""
+def _make_layer(layer: str, policy: str, shape: list[int], groups: int, heads: int):
+    if layer == ATTENTION:
+        return keras.layers.MultiHeadAttention(heads, key_dim=shape[-1] // heads, dtype=policy)
+    if layer in ("LayerNormalization", "RMSNormalization"):
+        return getattr(keras.layers, layer)(epsilon=SEQUENCE_EPSILON, dtype=policy)
     if groups:
-        layer = keras.layers.GroupNormalization(groups, dtype=policy)
-    else:
-        layer = keras.layers.BatchNormalization(dtype=policy)
+        return keras.layers.GroupNormalization(groups, dtype=policy)
+    return keras.layers.BatchNormalization(dtype=policy)
+
+
+def _forward_backward(
+    policy: str,
+    shape: list[int],
+    fused: bool,
+    groups: int = 0,
+    layer: str = BATCH_NORMALIZATION,
+    heads: int = 0,
+):
+    """A tf.function: one layer's training forward and its gradients (input and weights)."""
+    study_layer = _make_layer(layer, policy, shape, groups, heads)
+
+    def apply(inputs, **kwargs):  # attention attends over its own input (self-attention)
+        return study_layer(inputs, inputs, **kwargs) if layer == ATTENTION else study_layer(inputs, **kwargs)
+
     inputs = keras.Input(shape=tuple(shape[1:]))
-    model = keras.Model(inputs, layer(inputs))  # builds the layer for this shape
+    model = keras.Model(inputs, apply(inputs))  # builds the layer for this shape
     if fused:
         assert precision.fuse_normalization(model).fused, "the study's layer was not fused"
 
@@ -54,9 +80,9 @@ def _forward_backward(policy: str, shape: list[int], fused: bool, groups: int = 
     def step(images, upstream):
         with tf.GradientTape() as tape:
             tape.watch(images)
-            outputs = layer(images, training=True)
+            outputs = apply(images, training=True)
             loss = tf.reduce_sum(tf.cast(outputs, tf.float32) * upstream)
-        gradients = tape.gradient(loss, [images, *layer.trainable_variables])
+        gradients = tape.gradient(loss, [images, *study_layer.trainable_variables])
         # One scalar that needs every gradient: fetching it waits for the whole backward pass.
         return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in gradients])
 
@@ -81,7 +107,14 @@ def _seconds(step, arguments, calls: int) -> float:
     return (time.perf_counter() - started) / calls
 
 
-def measure(policy: str, shape: list[int], rounds: int, groups: int = 0) -> dict:
+def measure(
+    policy: str,
+    shape: list[int],
+    rounds: int,
+    groups: int = 0,
+    layer: str = BATCH_NORMALIZATION,
+    heads: int = 0,
+) -> dict:
     """Keras' and the fused layer's ms per forward + backward, timed in turn, and their peaks."""
     policy = precision.resolve(policy).policy
     compute_dtype = keras.dtype_policies.get(policy).compute_dtype
@@ -90,8 +123,8 @@ def measure(policy: str, shape: list[int], rounds: int, groups: int = 0) -> dict
     upstream = tf.random.normal(shape)
     arguments = (images, upstream)
     steps = {
-        "keras": _forward_backward(policy, shape, False, groups),
-        "fused": _forward_backward(policy, shape, True, groups),
+        "keras": _forward_backward(policy, shape, False, groups, layer, heads),
+        "fused": _forward_backward(policy, shape, True, groups, layer, heads),
     }
     for step in steps.values():
         _seconds(step, arguments, WARMUP_CALLS)
@@ -105,7 +138,7 @@ def measure(policy: str, shape: list[int], rounds: int, groups: int = 0) -> dict
     ratios = [fused / keras for fused, keras in zip(times["fused"], times["keras"])]
     return {
         "policy": policy,
-        "layer": f"GroupNormalization({groups})" if groups else "BatchNormalization",
+        "layer": study_layer_name(layer, groups, heads),
         "compute_dtype": compute_dtype,
         "shape": list(shape),
         "rounds": rounds,

@@ -23,7 +23,9 @@ and `python_threads`
 (`tfmp.bench.python_threads.measure`, "unit_seconds"), `layer_profile` (`tfmp.bench.layer_profile`:
 per-layer milliseconds in "policies" and the Engine step, "layer_repeats" and the engine keys)
 `bn_study` (`tfmp.bench.bn_study`: one BatchNormalization's forward + backward, Keras' layer
-vs fused, "precision", "shape", "rounds"; "groups": G > 0 studies GroupNormalization(G)) and
+vs fused, "precision", "shape", "rounds"; "groups": G > 0 studies GroupNormalization(G),
+"layer": "LayerNormalization", "RMSNormalization" or "MultiHeadAttention" (with "heads") the
+others on a (batch, tokens, width) "shape") and
 `environment` (the names and hardware facts the parent plans with, `matrix.Environment`).
 Engine and fit cells take "fused_norm" (`tfmp.precision.fuse_normalization` before compile,
 see `tfmp.bench.workloads`).
@@ -52,6 +54,7 @@ from tfmp.bench import (
     layer_profile,
     pipeline_2d,
     python_threads,
+    studies,
     workloads,
 )
 from tfmp.bench import peak as bench_peak
@@ -237,7 +240,14 @@ def measure(cell: dict) -> dict:
             )
         }
     if cell["kind"] == "bn_study":
-        return bn_study.measure(cell["precision"], cell["shape"], cell["rounds"], cell.get("groups", 0))
+        return bn_study.measure(
+            cell["precision"],
+            cell["shape"],
+            cell["rounds"],
+            groups=cell.get("groups", 0),
+            layer=cell.get("layer", studies.BATCH_NORMALIZATION),
+            heads=cell.get("heads", 0),
+        )
     # Before anything starts TensorFlow's runtime: it fixes its thread pools then.
     distribute.set_threads(cell.get("intra_op_threads", 0), cell.get("inter_op_threads", 0))
     if cell["kind"] == "pipeline":

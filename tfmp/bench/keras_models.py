@@ -1,4 +1,5 @@
-"""Plain Keras classifiers for the bench only: what a user writes without tfmp's builders.
+"""Classifiers for the bench only: plain Keras models (what a user writes without tfmp's
+builders) and a longer-sequence ViT.
 
     from tfmp.bench import keras_models
     model = keras_models.build("keras_resnet", (64, 64, 3), 10, dtype="mixed_bfloat16")
@@ -15,18 +16,26 @@ model, trained by tfmp's Engine in the bench's engine cells like tfmp's own (`--
   strided, BatchNormalization epsilon 1e-5 and momentum 0.9 after every conv), then keras-hub
   ImageClassifier's head (global average pool, Dense), here with a float32 softmax because
   tfmp's classifier loss takes probabilities. 0.46M weights; at 64x64 its activations dominate.
+* `vit_tiny_p2` - tfmp's `vit_tiny` (`tfmp.models.vit`: width 192, 3 heads, 6 blocks) on 2x2
+  patches: 257 tokens at the built-in 32x32 data instead of 65, so each attention tensor
+  (batch, heads, T, T) holds 4x what a (batch, T, width) activation does (at 65 tokens, 1x): the
+  longer-sequence case of issue 33 that 2 cores can still train.
 
-Every layer is a stock `keras.layers` layer given the cell's dtype policy, as a user under
-`keras.mixed_precision.set_global_policy(...)` gets it; the head runs in float32 (the Keras
-mixed-precision guide's advice). No tfmp code builds or changes these models; the bench's
+In the two plain Keras models every layer is a stock `keras.layers` layer given the cell's
+dtype policy, as a user under `keras.mixed_precision.set_global_policy(...)` gets it; the head
+runs in float32 (the Keras mixed-precision guide's advice). No tfmp code builds or changes
+them; the bench's
 `fused_norm` setting runs `tfmp.precision.fuse_normalization` on them like on tfmp's models.
 """
 
 from __future__ import annotations
 
+import functools
+
 import keras
 
 from tfmp.errors import unknown
+from tfmp.models.vit import VIT_TINY, vit
 
 BN = {"epsilon": 1e-5, "momentum": 0.9}  # keras-hub ResNet's BatchNormalization settings
 
@@ -90,7 +99,11 @@ def keras_resnet(input_shape, num_classes: int, dtype=None, name: str = "keras_r
     return _head(inputs, x, num_classes, dtype, name)
 
 
-MODELS = {"keras_bn_cnn": keras_bn_cnn, "keras_resnet": keras_resnet}
+MODELS = {
+    "keras_bn_cnn": keras_bn_cnn,
+    "keras_resnet": keras_resnet,
+    "vit_tiny_p2": functools.partial(vit, **dict(VIT_TINY, patch_size=2)),
+}
 
 
 def build(name: str, input_shape, num_classes: int, dtype=None) -> keras.Model:

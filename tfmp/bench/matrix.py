@@ -87,6 +87,11 @@ class BenchConfig:
     bn_study_shape: list[int] = dataclasses.field(default_factory=lambda: [64, 48, 48, 64])  # NHWC
     bn_study_rounds: int = 20  # Keras' layer and the fused one timed in turn, this many times each
     bn_study_groups: int = 0  # 0: BatchNormalization; G > 0: GroupNormalization(G) (C % G == 0)
+    # Which layers the study times (tfmp.bench.studies.BN_STUDY_LAYERS); all but BatchNormalization
+    # on a (batch, tokens, width) input: vit_tiny's at batch 64 by default.
+    bn_study_layers: list[str] = dataclasses.field(default_factory=lambda: ["BatchNormalization"])
+    bn_study_sequence_shape: list[int] = dataclasses.field(default_factory=lambda: [64, 65, 192])
+    bn_study_heads: int = 3  # MultiHeadAttention's heads (vit_tiny's), width / heads each
     memory_budget_mb: float = 0  # mode="memory": the live-peak budget (MiB) a batch must fit
     memory_probe_batches: list[int] = dataclasses.field(default_factory=lambda: [16, 32])  # the fit's
     memory_batch_step: int = 1  # the batches tried are multiples of this
@@ -333,7 +338,7 @@ def describe_cell(cell: dict) -> str:
     kind = {"fit": " [keras fit]", "engine": ""}[cell["kind"]]
     data = " [synthetic input]" if cell.get("reference") == "input" else ""
     tf32 = "" if cell.get("tf32", True) else " tf32=off"
-    fused = " [fused BN]" if cell.get("fused_norm") else ""
+    fused = " [fused norm]" if cell.get("fused_norm") else ""
     return (
         f"{cell['model']} {cell['precision']}{tf32} {devices} xla={'on' if cell['xla'] else 'off'} "
         f"batch {cell['global_batch_size']}{kind}{data}{fused}"

@@ -223,7 +223,7 @@ def table(report: dict) -> str:
     header = (
         "model",
         "precision",
-        "BN",
+        "norm",
         "weights+slots MiB",
         "fit: MiB + MiB/example",
         "predicted",
@@ -258,12 +258,12 @@ def table(report: dict) -> str:
         ("largest_batch_vs_float32", "largest batch {precision} / float32", "float32_largest_batch"),
         (
             "largest_batch_fused_vs_keras_norm",
-            "largest batch fused / Keras BN, {precision}",
+            "largest batch fused / Keras norm, {precision}",
             "keras_largest_batch",
         ),
     ):
         for row in report["ratios"][name]:
-            bn = " fused BN" if row.get("fused_norm") else ""
+            bn = " fused norm" if row.get("fused_norm") else ""
             lines.append(
                 f"{title.format(**row)}: {row['model']}{bn} xla={'on' if row['xla'] else 'off'}: "
                 f"{row['largest_batch']} / {row[reference]} = {row['value']:.2f}x "

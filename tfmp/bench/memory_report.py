@@ -96,7 +96,7 @@ def lines(ratios: dict, devices) -> list[str]:
     result = _mixed_lines(ratios, devices)
     for row in ratios["fused_vs_keras_norm"]:
         result.append(
-            f"fused / Keras BatchNormalization: {row['model']} {row['precision']} batch {row['global_batch_size']} "
+            f"fused / Keras normalization: {row['model']} {row['precision']} batch {row['global_batch_size']} "
             f"{devices(row)} xla={'on' if row['xla'] else 'off'}: examples/s {row['value']:.2f}x, live peak "
             f"{row['peak_memory_mb']:,.0f} / {row['keras_peak_memory_mb']:,.0f} MiB = {row['peak_memory']:.2f}x"
         )
@@ -121,7 +121,7 @@ def _mixed_lines(ratios: dict, devices) -> list[str]:
         )
         lines.append(
             f"live peak memory {row['precision']} / float32: {row['model']} batch {row['global_batch_size']} "
-            f"{devices(row)} xla={'on' if row['xla'] else 'off'}{' fused BN' if row['fused_norm'] else ''}: "
+            f"{devices(row)} xla={'on' if row['xla'] else 'off'}{' fused norm' if row['fused_norm'] else ''}: "
             f"{row['value']:.2f}x{extra}"
         )
     return lines

@@ -191,7 +191,7 @@ def table(cells: list[dict], ratios: dict) -> str:
         "xla",
         "precision",
         "policy",
-        "BN",
+        "norm",
         "examples/s",
         "spread",
         "per replica",
@@ -393,7 +393,7 @@ def _times(value):
 
 
 def _chart_group(cell: dict) -> str:
-    return f"{_devices(cell)}{' xla' if cell['xla'] else ''}{' fused BN' if cell.get('fused_norm') else ''}"
+    return f"{_devices(cell)}{' xla' if cell['xla'] else ''}{' fused norm' if cell.get('fused_norm') else ''}"
 
 
 def chart(cells: list[dict], path: str) -> str:

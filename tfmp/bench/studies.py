@@ -11,8 +11,10 @@ On `study_model` (a classifier) at `study_image_size` / `study_batch_size`:
   N-worker data parallelism and the 1-worker pipeline; `study_batch_size` is the global batch);
 - `threads_study`: the thread cells of `tfmp.bench.threads` (intra-op, inter-op and tf.data
   threads, steps per host call, Python threads vs the GIL).
-`bn_study` adds a `bn_study` cell per BN_STUDY_PRECISIONS (`tfmp.bench.bn_study`;
-`bn_study_groups` > 0: GroupNormalization).
+`bn_study` adds a `bn_study` cell per BN_STUDY_PRECISIONS and `bn_study_layers` entry
+(`tfmp.bench.bn_study`): BatchNormalization on `bn_study_shape` (`bn_study_groups` > 0:
+GroupNormalization), LayerNormalization, RMSNormalization and MultiHeadAttention
+(`bn_study_heads` heads) on `bn_study_sequence_shape`.
 
 Like `tfmp.bench.matrix`, this runs in the parent process and never imports TensorFlow.
 """
@@ -23,6 +25,10 @@ from tfmp.bench import threads as bench_threads
 from tfmp.errors import UsageError
 
 BN_STUDY_PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+BATCH_NORMALIZATION, ATTENTION = "BatchNormalization", "MultiHeadAttention"
+# What --bn_study_layers takes: the first on a 4-D (batch, height, width, channels) input, the
+# others on a 3-D (batch, tokens, width) one.
+BN_STUDY_LAYERS = (BATCH_NORMALIZATION, "LayerNormalization", "RMSNormalization", ATTENTION)
 KINDS = ("pipeline", "pipeline_2d", "python_threads", "bn_study")
 
 
@@ -44,6 +50,58 @@ def check(config) -> None:
                 f"--study_batch_size={config.study_batch_size} over {workers} workers; use a "
                 f"--study_batch_size that is a multiple of {workers * max(micro, 1)}"
             )
+    _check_bn_study(config)
+
+
+def _check_bn_study(config) -> None:
+    if not config.bn_study_layers:
+        raise UsageError(f"--bn_study_layers needs at least one of {', '.join(BN_STUDY_LAYERS)}")
+    for layer in config.bn_study_layers:
+        if layer not in BN_STUDY_LAYERS:
+            raise UsageError(f"--bn_study_layers value {layer!r} is not one of {', '.join(BN_STUDY_LAYERS)}")
+    shape = config.bn_study_sequence_shape
+    if len(shape) != 3 or min(shape) < 1:
+        raise UsageError(
+            f"--bn_study_sequence_shape={shape} must be 3 sizes >= 1: batch, tokens, width (e.g. 64,65,192)"
+        )
+    if ATTENTION in config.bn_study_layers and (
+        config.bn_study_heads < 1 or shape[-1] % config.bn_study_heads
+    ):
+        raise UsageError(
+            f"--bn_study_heads={config.bn_study_heads} must be >= 1 and divide the width {shape[-1]} of "
+            "--bn_study_sequence_shape"
+        )
+
+
+def study_layer_name(layer: str, groups: int = 0, heads: int = 0) -> str:
+    """A `bn_study` result's "layer": "BatchNormalization", "GroupNormalization(32)",
+    "LayerNormalization", "RMSNormalization" or "MultiHeadAttention(3 heads)"."""
+    if layer == BATCH_NORMALIZATION and groups:
+        return f"GroupNormalization({groups})"
+    return f"{ATTENTION}({heads} heads)" if layer == ATTENTION else layer
+
+
+def bn_study_cells(config) -> list[dict]:
+    """One `bn_study` cell per layer of `bn_study_layers` and policy of BN_STUDY_PRECISIONS."""
+    result = []
+    for layer in config.bn_study_layers:
+        if layer == BATCH_NORMALIZATION:  # cells without "layer", as before other layers could be studied
+            extra = {"groups": config.bn_study_groups} if config.bn_study_groups else {}
+            shape = config.bn_study_shape
+        else:
+            extra = {"layer": layer, **({"heads": config.bn_study_heads} if layer == ATTENTION else {})}
+            shape = config.bn_study_sequence_shape
+        result += [
+            {
+                "kind": "bn_study",
+                "precision": policy,
+                "shape": list(shape),
+                "rounds": config.bn_study_rounds,
+                **extra,
+            }
+            for policy in BN_STUDY_PRECISIONS
+        ]
+    return result
 
 
 def cells(config) -> list[dict]:
@@ -93,16 +151,7 @@ def cells(config) -> list[dict]:
         # A unit of Python work as long as a timed repeat of the engine cells.
         result.append(bench_threads.python_cell(config.min_repeat_seconds))
     if config.bn_study:
-        result += [
-            {
-                "kind": "bn_study",
-                "precision": policy,
-                "shape": list(config.bn_study_shape),
-                "rounds": config.bn_study_rounds,
-                **({"groups": config.bn_study_groups} if config.bn_study_groups else {}),
-            }
-            for policy in BN_STUDY_PRECISIONS
-        ]
+        result += bn_study_cells(config)
     return result
 
 
@@ -121,7 +170,9 @@ def describe(cell: dict) -> str:
     if cell["kind"] == "python_threads":
         return "Python threads vs processes (GIL), TensorFlow on 2 Python threads"
     if cell["kind"] == "bn_study":
-        layer = f"GroupNormalization({cell['groups']})" if cell.get("groups") else "BatchNormalization"
+        layer = study_layer_name(
+            cell.get("layer", BATCH_NORMALIZATION), cell.get("groups", 0), cell.get("heads", 0)
+        )
         return (
             f"{layer} alone {cell['precision']}: Keras' layer vs fused, fwd+bwd on "
             f"{'x'.join(map(str, cell['shape']))}, {cell['rounds']} rounds in turn"
