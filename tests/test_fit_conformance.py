@@ -230,3 +230,22 @@ def test_a_py_datasets_on_epoch_end_is_called_as_keras_calls_it():
         fit = model.fit if who == "keras" else lambda **kw: tfmp.fit(model, **kw)
         fit(x=Counted(X, Y), epochs=3, verbose=0)
     assert calls["tfmp"] == calls["keras"]
+
+
+@pytest.mark.parametrize("replicated", [False, True], ids=["one_device", "two_replicas"])
+def test_evaluate_and_predict_return_what_keras_returns(replicated, mirrored):
+    keras_model = single_output(tf.distribute.get_strategy())
+    model = single_output(mirrored if replicated else tf.distribute.get_strategy())
+    model.set_weights(keras_model.get_weights())
+    expected = keras_model.evaluate(X, Y, batch_size=16, verbose=0)
+    ours = tfmp.evaluate(model, X, Y, batch_size=16, verbose=0)
+    assert isinstance(ours, list) and len(ours) == len(expected) == 2  # [loss, accuracy]
+    np.testing.assert_allclose(ours, expected, rtol=TOLERANCE)
+    as_dict = tfmp.evaluate(model, X, Y, batch_size=16, verbose=0, return_dict=True)
+    assert as_dict.keys() == keras_model.evaluate(X, Y, batch_size=16, verbose=0, return_dict=True).keys()
+    np.testing.assert_allclose(
+        tfmp.predict(model, X[:40], batch_size=16, verbose=0),  # a short last batch, split over replicas
+        keras_model.predict(X[:40], batch_size=16, verbose=0),
+        rtol=TOLERANCE,
+        atol=TOLERANCE,
+    )

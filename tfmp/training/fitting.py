@@ -382,8 +382,19 @@ def evaluate(
         print(" - ".join(f"{name}: {value:.4f}" for name, value in results.items()), flush=True)
     if return_dict:
         return results
-    values = list(results.values())
+    values = _in_keras_order(model, results)
     return values[0] if len(values) == 1 else values
+
+
+def _in_keras_order(model: keras.Model, results: dict) -> list:
+    """The results as `model.evaluate` lists them: the model's metrics in order (a compiled
+    metrics container's own metrics in its place), then any other key alphabetically."""
+    names = []
+    for metric in model.metrics:
+        inner = getattr(metric, "metrics", None)  # Keras' container of the compiled metrics
+        names += [item.name for item in inner] if isinstance(inner, list) and inner else [metric.name]
+    ordered = [name for name in names if name in results]
+    return [results[name] for name in ordered + sorted(set(results) - set(ordered))]
 
 
 def predict(model: keras.Model, x, batch_size: int | None = None, verbose="auto", steps: int | None = None):
