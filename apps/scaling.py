@@ -42,6 +42,7 @@ flags.DEFINE_string("from_bench", None, "An apps.bench bench.json: the 1-worker 
 flags.DEFINE_string("bench_precision", None, "--from_bench: which precision's cells (if several).")
 flags.DEFINE_bool("measure_link", False, "Time all-reduces between launched workers; print the link.")
 flags.DEFINE_list("measure_sizes", ["65536", "1048576", "4194304", "16777216"], "--measure_link: bytes.")
+flags.DEFINE_integer("measure_repeats", 9, "--measure_link: timed calls per size (median of).")
 
 
 def _devices() -> list[int]:
@@ -104,16 +105,32 @@ def _compute(model: str | None):
 
 
 def _measure_link() -> None:
+    """Every launched worker times single all-reduces of --measure_sizes bytes and, with --model,
+    one of the model's gradients (as the engine sums them: a list in one call), then fits a link."""
     strategy = distribute.get_strategy("auto")
     sizes = [int(size) for size in FLAGS.measure_sizes]
-    seconds = scaling.measure_allreduce(strategy, sizes)
+    calls = [[max(1, size // 4)] for size in sizes]
+    if FLAGS.model:
+        # Shaped as apps.bench's quick config trains it: the built-in data at 32x32.
+        spec = workloads.dataset_spec({"model": FLAGS.model, "data": "builtin"})
+        info = data.describe(spec, image_size=32, verify=False)
+        built = models.build(FLAGS.model, info.image_shape, info.num_classes)
+        calls.append([math.prod(weight.shape) for weight in built.trainable_weights])
+    seconds = scaling.measure_allreduce(strategy, calls, FLAGS.measure_repeats)
     replicas = strategy.num_replicas_in_sync
     for size, time in zip(sizes, seconds):
         print(f"{replicas} replicas, {size:>10,} bytes: {time * 1e3:8.2f} ms")
-    link = scaling.fit_link("measured", replicas, sizes, seconds)
+    link = scaling.fit_link("measured", replicas, sizes, seconds[: len(sizes)])
     print(
         f"fitted: {link.bandwidth / 1e9:.3f} GB/s per device, {link.step_latency * 1e6:.0f} us per ring step"
     )
+    if FLAGS.model:
+        nbytes = 4 * sum(calls[-1])
+        predicted = scaling.ring_allreduce_seconds(nbytes, replicas, link)
+        print(
+            f"{FLAGS.model}'s {len(calls[-1])} gradients ({nbytes:,} bytes) in one call: "
+            f"{seconds[-1] * 1e3:.2f} ms measured, {predicted * 1e3:.2f} ms from the fitted link"
+        )
 
 
 def main(argv):

@@ -240,28 +240,29 @@ def fit_link(name: str, devices: int, sizes: list[int], seconds: list[float]) ->
     return Link(name, steps / devices / slope, intercept / steps, None, f"fitted to {len(sizes)} sizes")
 
 
-def measure_allreduce(strategy, sizes: list[int], repeats: int = 5) -> list[float]:
-    """Median seconds of one float32 all-reduce (SUM over every replica of `strategy`) of each of
-    `sizes` bytes, each timed `repeats` times after one untimed call. Every worker of a
-    multi-worker strategy runs it at once (`python -m tfmp.launch --workers=2 -- python -m
-    apps.scaling --measure_link`)."""
+def measure_allreduce(strategy, calls: list[list[int]], repeats: int = 5) -> list[float]:
+    """Median seconds of each all-reduce call (SUM over every replica of `strategy`): a call is a
+    list of float32 tensor sizes in elements, summed in one `all_reduce` as a model's gradients
+    are. Each is timed `repeats` times after one untimed call. Every worker of a multi-worker
+    strategy runs it at once (`python -m tfmp.launch --workers=2 -- python -m apps.scaling
+    --measure_link`)."""
     # TensorFlow only here, so that importing this module (the model, its table) stays cheap.
     import tensorflow as tf
 
     medians = []
-    for size in sizes:
+    for sizes in calls:
         with strategy.scope():
-            values = tf.Variable(tf.ones([max(1, size // 4)], tf.float32), trainable=False)
+            tensors = [tf.Variable(tf.ones([size], tf.float32), trainable=False) for size in sizes]
 
         @tf.function
-        def reduce_once(values=values):
-            summed = strategy.run(
-                lambda: tf.distribute.get_replica_context().all_reduce(
-                    tf.distribute.ReduceOp.SUM, tf.identity(values)
-                )
-            )
-            # One number back to the host, not the whole tensor: the time is the collective's.
-            return strategy.experimental_local_results(summed)[0][0]
+        def reduce_once(tensors=tensors):
+            def replica_fn():
+                values = [tf.identity(tensor) for tensor in tensors]
+                return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, values)
+
+            summed = strategy.run(replica_fn)
+            # One number back to the host, not the tensors: the time is the collective's.
+            return strategy.experimental_local_results(summed[0])[0][0]
 
         reduce_once().numpy()
         times = []
