@@ -31,15 +31,17 @@ call 10 vs 1, Python threads vs the GIL).
 backward in float32 and mixed_bfloat16, summed by layer class, against the Engine's step
 (timed with --steps_per_execution, --repeats, ...); prints the tables, writes layer_profile.json.
 
---fused_norm=false,true measures each model both as built (Keras' layer) and, like the default, with every
-BatchNormalization and GroupNormalization fused (`tfmp.precision.fuse_normalization`), giving the ratio
+--fused_norm=false,true measures each model both as built (Keras' layers) and, like the default,
+with every BatchNormalization, GroupNormalization, LayerNormalization, RMSNormalization and
+MultiHeadAttention fused (`tfmp.precision.fuse_normalization`), giving the ratio
 fused_vs_keras_norm (examples/s and live peak); --models also takes the plain Keras models
 keras_bn_cnn and keras_resnet (`tfmp.bench.keras_models`: keras.layers only, trained by tfmp's
-Engine). --bn_study adds one BatchNormalization alone, Keras' layer vs fused, forward + backward
-on a --bn_study_shape tensor in float32, mixed_bfloat16 and mixed_float16 (fused_vs_keras_bn);
---bn_study_groups=G studies GroupNormalization(G) instead; --bn_study_layers=BatchNormalization,
-LayerNormalization,RMSNormalization,MultiHeadAttention adds the transformer layers on a
---bn_study_sequence_shape (batch, tokens, width) input, attention with --bn_study_heads heads.
+Engine) and vit_tiny_p2 (vit_tiny on 2x2 patches: 257 tokens at 32x32). --bn_study adds one
+BatchNormalization alone, Keras' layer vs fused, forward + backward on a --bn_study_shape tensor
+in float32, mixed_bfloat16 and mixed_float16 (fused_vs_keras_bn); --bn_study_groups=G studies
+GroupNormalization(G) instead; --bn_study_layers=BatchNormalization,LayerNormalization,
+RMSNormalization,MultiHeadAttention adds the transformer layers on a --bn_study_sequence_shape
+(batch, tokens, width) input, attention with --bn_study_heads heads.
 
 --mode=memory --memory_budget_mb=N finds, per model and precision, the largest global batch
 whose training step's live peak fits N MiB (`tfmp.bench.memory`: a line fitted through
@@ -121,7 +123,7 @@ flags.DEFINE_integer("layer_profile_repeats", 20, "--layer_profile: interleaved 
 flags.DEFINE_list(
     "fused_norm",
     ["true"],
-    "BatchNormalization and GroupNormalization fused, as the apps train them: true, false (Keras'), or both.",
+    "Normalization and attention layers fused, as the apps train them: true, false (Keras'), or both.",
 )
 flags.DEFINE_bool("bn_study", False, "Also time one BatchNormalization alone, Keras' layer vs fused.")
 flags.DEFINE_list(

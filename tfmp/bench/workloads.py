@@ -7,7 +7,7 @@
 Classifiers (`tfmp.models.MODELS`, and the plain Keras models of `tfmp.bench.keras_models`) train
 on the cell's "data" ("builtin": `digits` for the MNIST-shaped models, `shapes` otherwise). A
 cell with "fused_norm": true has `tfmp.precision.fuse_normalization` run on its model (its
-BatchNormalization and GroupNormalization layers) right after it is built, before compile and
+normalization and MultiHeadAttention layers) right after it is built, before compile and
 the Engine trace it (false, the default: the model as built). Detectors (`tfmp.detection.retinanet.DETECTORS`,
 `tfmp.detection.faster_rcnn.DETECTORS`) train on the built-in detection `shapes`: the pipeline
 draws the scenes and pads the ground truth, anchors (and Faster R-CNN's ROIs) are matched on
