@@ -199,7 +199,9 @@ def check_names(config: BenchConfig, environment: Environment) -> None:
 
 def layer_profile_cells(config: BenchConfig) -> list[dict]:
     """One `layer_profile` cell per model of `config.layer_profile`: its layers and its Engine
-    step (fed one batch from memory, so the input pipeline stays out) in each policy."""
+    step (fed one batch from memory, so the input pipeline stays out) in each policy; its
+    normalization and attention layers fused when `fused_norm` has true (the default, as the
+    apps train), Keras' own with `fused_norm=[False]`."""
     return [
         {
             "kind": "layer_profile",
@@ -210,6 +212,7 @@ def layer_profile_cells(config: BenchConfig) -> list[dict]:
             "global_batch_size": config.global_batch_size,
             "data": "synthetic",
             "xla": False,
+            "fused_norm": True in config.fused_norm,
             "mode": "train",
             "cache": False,
             "steps_per_execution": config.steps_per_execution,
