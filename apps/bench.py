@@ -74,6 +74,11 @@ flags.DEFINE_list(
     "workers", [], "Local MultiWorkerMirrored worker counts (tfmp.launch, one core/GPU share each)."
 )
 flags.DEFINE_list("xla", ["off"], "XLA settings to measure: off, on.")
+flags.DEFINE_list(
+    "allreduce_dtypes",
+    ["auto"],
+    "Multi-replica and multi-worker cells: the dtypes gradients are summed in (auto, float32, bfloat16, float16).",
+)
 flags.DEFINE_list("tf32", ["on"], "TF32 for float32 cells (Ampere+ GPUs): on, off.")
 flags.DEFINE_list(
     "ratio_models",
@@ -226,6 +231,7 @@ def _config() -> bench.BenchConfig:
         workers=_integers("workers"),
         xla=_switches("xla"),
         tf32=_switches("tf32"),
+        allreduce_dtypes=FLAGS.allreduce_dtypes,
         ratio_models=FLAGS.ratio_models,
         data=FLAGS.data,
         global_batch_size=FLAGS.global_batch_size,

@@ -19,6 +19,7 @@ from tfmp.bench import peak as bench_peak
 from tfmp.bench import report as bench_report
 from tfmp.bench import runner as bench_runner
 from tfmp.bench import schema
+from tfmp.distribute import allreduce
 from tfmp.errors import UsageError
 
 ENVIRONMENT = bench.Environment(
@@ -42,6 +43,7 @@ def tiny_report(tmp_path_factory):
             "--models=mnist_mlp",
             "--precisions=float32,mixed_bfloat16",
             "--replicas=1,2",
+            "--allreduce_dtypes=float32,bfloat16",
             "--noreferences",
             "--global_batch_size=16",
             "--steps_per_execution=2",
@@ -72,7 +74,7 @@ def test_bench_json_has_the_documented_schema_and_table(tiny_report):
     assert "live peak memory mixed_bfloat16 / float32: mnist_mlp batch 16" in stdout
     assert "\nprecision probe (matmul" in stdout and "\n  would choose: --mixed: " in stdout
     engine = [c for c in report["cells"] if c["kind"] == "engine"]
-    assert len(engine) == 4  # 2 precisions x (1, 2 replicas)
+    assert len(engine) == 6  # 2 precisions x (1 replica, 2 replicas x 2 all-reduce dtypes)
     for cell in engine:
         result = cell["result"]
         assert result["examples_per_sec_min"] <= result["examples_per_sec"] <= result["examples_per_sec_max"]
@@ -97,22 +99,27 @@ def test_every_ratio_of_the_run_divides_its_named_cells(tiny_report):
 
     one, two = (
         cell("engine", precision="float32", replicas=1),
-        cell("engine", precision="float32", replicas=2),
+        cell("engine", precision="float32", replicas=2, allreduce_dtype="float32"),
     )
+    two_bfloat16 = cell("engine", precision="float32", replicas=2, allreduce_dtype="bfloat16")
     half = cell("engine", precision="mixed_bfloat16", replicas=1)
     peak = cell("peak", precision="float32")
     ratios = {
         name: {(row["precision"], row["replicas"]): row["value"] for row in report["ratios"][name]}
-        for name in (
-            "speedup_vs_float32",
-            "scaling_efficiency",
-            "flops_fraction_of_peak",
-            "peak_memory_vs_float32",
-        )
+        for name in ("speedup_vs_float32", "flops_fraction_of_peak", "peak_memory_vs_float32")
     }
     eps = "examples_per_sec"
+    scaling = {
+        (row["precision"], row["allreduce_dtype"]): row for row in report["ratios"]["scaling_efficiency"]
+    }
+    assert scaling[("float32", "float32")]["value"] == pytest.approx(two[eps] / (2 * one[eps]))
+    assert scaling[("float32", "bfloat16")]["value"] == pytest.approx(two_bfloat16[eps] / (2 * one[eps]))
+    # A bfloat16 sum sends half a float32 one's bytes; both sums were timed on their own.
+    assert two_bfloat16["gradient_bytes_per_step"] * 2 == two["gradient_bytes_per_step"] > 0
+    assert one["gradient_bytes_per_step"] == 0 and one["collective_seconds_per_step"] is None
+    for row in scaling.values():
+        assert row["collective_seconds_per_step"] > 0 and row["collective_share"] > 0
     assert ratios["speedup_vs_float32"][("mixed_bfloat16", 1)] == pytest.approx(half[eps] / one[eps])
-    assert ratios["scaling_efficiency"][("float32", 2)] == pytest.approx(two[eps] / (2 * one[eps]))
     assert ratios["flops_fraction_of_peak"][("float32", 1)] == pytest.approx(
         one["flops_per_sec"] / peak["peak_flops"]
     )
@@ -309,6 +316,7 @@ def test_unknown_model_is_a_one_line_error_after_the_environment_cell(tmp_path):
     [
         (dict(replicas=[], workers=[]), "--replicas and/or --workers"),
         (dict(workers=[0]), "--workers value 0 must be >= 1"),
+        (dict(allreduce_dtypes=["half"]), "unknown --allreduce_dtypes value 'half'"),
         (dict(mode="serve"), "unknown mode 'serve'"),
         (dict(data="imagenet"), "unknown bench data 'imagenet'"),
         (dict(peak_repeats=0), "--peak_repeats=0 must be >= 1"),
@@ -335,3 +343,8 @@ def test_precision_probe_cell_prints_beside_the_peaks():
     assert lines[0].startswith("precision probe (matmul 256x512") and lines[-3].startswith("  vs float32")
     assert lines[-2].startswith("  would choose: auto: ")
     assert lines[-1].startswith("  would choose: --mixed: ")
+
+
+def test_the_bench_names_the_all_reduce_dtypes_tfmp_has():
+    """matrix.py spells them out (its process must not import TensorFlow): they must agree."""
+    assert bench.ALLREDUCE_DTYPES == allreduce.DTYPES

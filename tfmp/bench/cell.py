@@ -62,6 +62,7 @@ from tfmp.bench import pipeline as bench_pipeline
 from tfmp.bench.matrix import RESULT_PREFIX
 from tfmp.classification import data
 from tfmp.detection import faster_rcnn, retinanet
+from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.precision import probe
 from tfmp.training.engine import Engine
@@ -114,8 +115,63 @@ def _engine_executions(cell, strategy, engine, dataset_fn):
     return executions
 
 
+def _allreduce_plan(cell, strategy, model, optimizer) -> allreduce.Plan:
+    """How the cell's gradients are summed: its `allreduce_dtype` (None, one device: auto)."""
+    return allreduce.resolve(
+        cell.get("allreduce_dtype") or "auto",
+        model.dtype_policy.name,
+        isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
+        strategy.num_replicas_in_sync,
+    )
+
+
+def _collective_seconds(
+    strategy, model, plan: allreduce.Plan, calls: int = 20, repeats: int = 5
+) -> float | None:
+    """Seconds one step's gradient all-reduce takes alone: zeros shaped like the trainable
+    variables, summed with `plan` `calls` times in one traced call, median of `repeats`. What
+    the backward pass does not hide of it is at most this; None on one replica."""
+    if strategy.num_replicas_in_sync == 1:
+        return None
+    shapes = [variable.shape for variable in model.trainable_variables]
+
+    def replica():
+        context = tf.distribute.get_replica_context()
+        allreduce.all_reduce(context, [tf.zeros(shape) for shape in shapes], plan)
+
+    @tf.function
+    def sum_gradients():
+        # As the engine's loop: strategy.run inside tf.range (an all-reduce cannot sit in a
+        # replica function's own loop under MirroredStrategy).
+        for _ in tf.range(calls):
+            strategy.run(replica)
+        return tf.constant(0.0)
+
+    sum_gradients()  # traces and warms up the collectives
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        sum_gradients().numpy()
+        times.append((time.perf_counter() - started) / calls)
+    return statistics.median(times)
+
+
+def _gradient_sums(cell, strategy, model, optimizer) -> dict:
+    """What the cell's all-reduce sends per step and replica, and how long it takes alone."""
+    plan = _allreduce_plan(cell, strategy, model, optimizer)
+    summed = strategy.num_replicas_in_sync > 1 and cell["kind"] == "engine" and cell["mode"] == "train"
+    return {
+        "allreduce_dtype": plan.dtype if summed else None,
+        "gradient_bytes_per_step": allreduce.gradient_bytes(model.trainable_variables, plan.dtype)
+        if summed
+        else 0,
+        "collective_seconds_per_step": _collective_seconds(strategy, model, plan) if summed else None,
+    }
+
+
 def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
-    engine = Engine(strategy, model, optimizer, xla=cell["xla"])
+    plan = _allreduce_plan(cell, strategy, model, optimizer)
+    engine = Engine(strategy, model, optimizer, xla=cell["xla"], allreduce_plan=plan)
     return timer(_engine_executions(cell, strategy, engine, dataset_fn))
 
 
@@ -291,6 +347,7 @@ def _measure_training(cell: dict) -> dict:
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
         "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
         "paired_input": paired_input,
+        **_gradient_sums(cell, strategy, model, optimizer),
     }
     result["examples_per_sec_per_replica"] = result["examples_per_sec"] / result["replicas"]
     return result

@@ -41,6 +41,9 @@ MODES = ("train", "inference", "memory")
 DATA_KINDS = ("synthetic", "builtin")
 # The layer profile's policies: the reference first, then the one whose speedup it explains.
 LAYER_PROFILE_POLICIES = ("float32", "mixed_bfloat16")
+# tfmp.distribute.allreduce.DTYPES, named here: that module imports TensorFlow, which this
+# process must not (tests/test_bench.py checks the two agree).
+ALLREDUCE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 INPUT_COST_BATCHES = 10  # timed batches per pipeline and round of an input_cost cell
 # The BatchNormalization study's policies: float32, and both half types as the GPU guide has them.
 
@@ -53,6 +56,8 @@ class BenchConfig:
     workers: list[int] = dataclasses.field(default_factory=list)  # local processes, 1 core each
     xla: list[bool] = dataclasses.field(default_factory=lambda: [False])
     tf32: list[bool] = dataclasses.field(default_factory=lambda: [True])  # float32 cells only
+    # Cells of several replicas or workers: the dtypes their gradients are summed in.
+    allreduce_dtypes: list[str] = dataclasses.field(default_factory=lambda: ["auto"])
     ratio_models: list[str] = dataclasses.field(default_factory=list)  # scaling + references; [] = all
     data: str = "synthetic"  # synthetic | builtin | tfds:<name>
     global_batch_size: int = 64  # of a 1-replica cell; N-replica cells use N x (weak scaling)
@@ -133,6 +138,11 @@ def check(config: BenchConfig) -> None:
         for value in getattr(config, flag):
             if value < 1:
                 raise UsageError(f"--{flag} value {value} must be >= 1")
+    if not config.allreduce_dtypes:
+        raise UsageError("--allreduce_dtypes needs at least one value, e.g. auto")
+    for dtype in config.allreduce_dtypes:
+        if dtype not in ALLREDUCE_DTYPES:
+            raise unknown("--allreduce_dtypes value", dtype, ALLREDUCE_DTYPES)
     for flag in ("global_batch_size", "steps_per_execution", "executions", "repeats", "peak_repeats"):
         if getattr(config, flag) < 1:
             raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")
@@ -289,8 +299,11 @@ def _group_cells(config: BenchConfig, environment: Environment, common: dict) ->
             replicas=replicas,
             workers=workers,
             global_batch_size=batch * (workers or replicas),
+            # One device sums nothing: None. Several: one cell per dtype the sum is made in.
+            allreduce_dtype=dtype,
         )
         for replicas, workers in devices
+        for dtype in (config.allreduce_dtypes if max(replicas, workers) > 1 else [None])
     ]
     if not (config.references and ratios):
         return result

@@ -38,6 +38,7 @@ def _key(cell: dict, **changes) -> tuple:
         values["replicas"],
         values["workers"],
         values.get("fused_norm", False),
+        values.get("allreduce_dtype"),
     )
 
 
@@ -75,10 +76,13 @@ def derive(cells: list[dict]) -> dict:
                 derived[name] = value
                 ratios[name].append(dict(label, global_batch_size=cell["global_batch_size"], value=value))
         count = cell["workers"] or cell["replicas"]
-        single = throughput(_key(cell, workers=1) if cell["workers"] else _key(cell, replicas=1))
+        one = dict(workers=1) if cell["workers"] else dict(replicas=1)
+        single = throughput(_key(cell, **one)) or throughput(_key(cell, **one, allreduce_dtype=None))
         if single and count > 1:
             derived["scaling_efficiency"] = result["examples_per_sec"] / (count * single)
-            ratios["scaling_efficiency"].append(dict(label, value=derived["scaling_efficiency"]))
+            ratios["scaling_efficiency"].append(
+                dict(label, **_summing(result), value=derived["scaling_efficiency"])
+            )
         cell["derived"] = derived
     for cell in cells:
         if cell["kind"] == "fit" and throughput(_key(cell)):
@@ -179,8 +183,21 @@ def _real_data(cells: list[dict], reference: dict) -> str:
     return next(c["data"] for c in _main_cells(cells) if c["model"] == reference["model"])
 
 
+def _summing(result: dict) -> dict:
+    """A scaling row's all-reduce: dtype, bytes per step, its time alone and its share of the step."""
+    seconds = result.get("collective_seconds_per_step") or 0.0
+    return {
+        "allreduce_dtype": result.get("allreduce_dtype") or "none",
+        "gradient_bytes_per_step": result.get("gradient_bytes_per_step", 0),
+        "collective_seconds_per_step": seconds,
+        "collective_share": seconds / result["step_time_median"] if result.get("step_time_median") else 0.0,
+    }
+
+
 def _devices(cell: dict) -> str:
-    return f"{cell['workers']}w x 1 core" if cell["workers"] else f"{cell['replicas']} replica(s)"
+    devices = f"{cell['workers']}w x 1 core" if cell["workers"] else f"{cell['replicas']} replica(s)"
+    summed = cell.get("result", {}).get("allreduce_dtype")
+    return f"{devices}, sum {summed}" if summed else devices
 
 
 def table(cells: list[dict], ratios: dict) -> str:

@@ -80,6 +80,9 @@ ENGINE_RESULT = {
     "intra_op_threads": "integer",
     "inter_op_threads": "integer",
     "paired_input": "object?",
+    "allreduce_dtype": "string?",  # the dtype gradients were summed in (null: one device, or a fit cell)
+    "gradient_bytes_per_step": "integer",  # sent per replica per step (0: nothing summed)
+    "collective_seconds_per_step": "number?",  # that sum alone, timed apart from the step
 }
 # `paired_input` of a detector's synthetic-input reference cell (null in every other cell).
 PAIRED_INPUT = {"real_examples_per_sec": "number", "ratios": "list", "value": "number"}
@@ -105,7 +108,13 @@ _DEVICE_LABEL = {
 _REFERENCE_LABEL = {"model": "string", "precision": "string", "xla": "boolean", "value": "number"}
 RATIOS = {
     "speedup_vs_float32": _DEVICE_LABEL,
-    "scaling_efficiency": _DEVICE_LABEL,
+    "scaling_efficiency": dict(
+        _DEVICE_LABEL,
+        allreduce_dtype="string",
+        gradient_bytes_per_step="integer",
+        collective_seconds_per_step="number",
+        collective_share="number",
+    ),
     "flops_fraction_of_peak": _DEVICE_LABEL,
     "peak_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
     "host_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
