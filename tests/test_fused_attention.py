@@ -207,11 +207,12 @@ def measured_peaks(*kinds) -> dict:
 def test_backward_keeps_half_precision_activations():
     """In bfloat16, 4 fused attention layers hold at least one float32 (batch, heads, T, T)
     tensor per layer less at their peak than Keras' (which keeps its float32 probabilities), and
-    4 fused LayerNormalization layers at least one float32 (batch, T, width) tensor per layer less
-    (Keras keeps float32 copies of each normalised input). About 15 s: one TensorFlow start."""
+    4 fused LayerNormalization layers at least one float32 (batch, T, width) tensor less per layer
+    after the first (Keras keeps float32 copies of each normalised input; the first layer's input
+    is the model's float32 data, which both normalise in float32). About 15 s: one TensorFlow start."""
     peaks = measured_peaks("attention", "layer")
     float32_probabilities, float32_activation = 8 * 4 * 64 * 64 * 4, 8 * 64 * 64 * 4
     keras_peak, fused_peak = peaks["attention"]
     assert fused_peak <= keras_peak - 4 * float32_probabilities, peaks
     keras_peak, fused_peak = peaks["layer"]
-    assert fused_peak <= keras_peak - 4 * float32_activation, peaks
+    assert fused_peak <= keras_peak - (4 - 1) * float32_activation, peaks
