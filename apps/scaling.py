@@ -131,6 +131,7 @@ def _measure_link() -> None:
             f"{FLAGS.model}'s {len(calls[-1])} gradients ({nbytes:,} bytes) in one call: "
             f"{seconds[-1] * 1e3:.2f} ms measured, {predicted * 1e3:.2f} ms from the fitted link"
         )
+    distribute.barrier(strategy)  # no worker exits while another still talks to it
 
 
 def main(argv):
