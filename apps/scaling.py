@@ -86,12 +86,12 @@ def _compute(model: str | None):
             f"{FLAGS.from_bench}: {cell.model} {cell.policy}, 1 worker, {cell.examples_per_sec:,.0f} ex/s"
         )
         seconds = FLAGS.step_seconds or cell.step_seconds
-        return cell.model, seconds, source, cell.image_shape, classes, cell.measured_efficiency
+        return cell.model, seconds, source, cell.image_shape, classes, cell.measured
     model = model or "resnet50"
     if model not in models.MODELS:
         raise unknown("model", model, models.MODELS)
     if FLAGS.step_seconds is not None:
-        return model, FLAGS.step_seconds, "--step_seconds", (224, 224, 3), 1000, {}
+        return model, FLAGS.step_seconds, "--step_seconds", (224, 224, 3), 1000, []
     if model not in scaling.PUBLISHED:
         raise UsageError(
             f"no published step time for {model!r}; give --step_seconds (one device's step) or --from_bench"
@@ -101,7 +101,7 @@ def _compute(model: str | None):
         f"published: {published.examples_per_sec:,.0f} img/s, {published.device}, {published.precision}, "
         f"batch {published.batch_per_device} ({published.source})"
     )
-    return model, published.step_seconds, source, (224, 224, 3), 1000, {}
+    return model, published.step_seconds, source, (224, 224, 3), 1000, []
 
 
 def _measure_link() -> None:
@@ -134,6 +134,15 @@ def _measure_link() -> None:
     distribute.barrier(strategy)  # no worker exits while another still talks to it
 
 
+def _measured_line(cell: scaling.Measured) -> str:
+    line = f"measured in that report: {cell.workers} workers / ({cell.workers} x 1 worker) = {cell.efficiency:.3f}"
+    if cell.allreduce_dtype:
+        line += f", {cell.allreduce_dtype} all-reduce"
+    if cell.gradient_bytes and cell.collective_seconds is not None:
+        line += f" of {cell.gradient_bytes:,} bytes: {cell.collective_seconds * 1e3:.2f} ms per step"
+    return line
+
+
 def main(argv):
     del argv
     if FLAGS.measure_link:
@@ -156,8 +165,8 @@ def main(argv):
     ]
     print(f"{model}: {parameters:,} trainable parameters; step time from {source}")
     print(scaling.table(model, seconds, rows))
-    for workers, efficiency in sorted(measured.items()):
-        print(f"measured in that report: {workers} workers / ({workers} x 1 worker) = {efficiency:.3f}")
+    for cell in measured:
+        print(_measured_line(cell))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def test_predict_refuses_values_no_prediction_comes_from(arguments, message):
         scaling.predict(*arguments)
 
 
-def _cell(workers, examples_per_sec, precision="float32", model="seed_cnn"):
+def _cell(workers, examples_per_sec, precision="float32", model="seed_cnn", **result):
     """An engine cell as apps.bench writes it (only the fields the model reads, and a few more)."""
     return {
         "kind": "engine",
@@ -112,7 +112,7 @@ def _cell(workers, examples_per_sec, precision="float32", model="seed_cnn"):
         "image_size": 32,
         "data": "builtin",
         "steps_per_execution": 10,
-        "result": {"policy": precision, "image_shape": [32, 32, 3], "examples_per_sec": examples_per_sec},
+        "result": dict(result, policy=precision, image_shape=[32, 32, 3], examples_per_sec=examples_per_sec),
     }
 
 
@@ -136,10 +136,13 @@ def test_a_bench_report_gives_the_one_worker_step_and_the_measured_scaling(tmp_p
     cell = scaling.read_bench_report(path, precision="float32")
     assert (cell.model, cell.global_batch_size, cell.image_shape) == ("seed_cnn", 128, [32, 32, 3])
     assert cell.step_seconds == pytest.approx(128 / 1600)
-    assert cell.measured_efficiency == {2: pytest.approx(2880 / (2 * 1600))}
-    assert scaling.read_bench_report(path, precision="auto").measured_efficiency == {
-        2: pytest.approx(5000 / 6400)
-    }
+    assert [(m.workers, m.efficiency) for m in cell.measured] == [(2, pytest.approx(2880 / (2 * 1600)))]
+    (auto,) = scaling.read_bench_report(path, precision="auto").measured
+    assert (auto.efficiency, auto.allreduce_dtype, auto.gradient_bytes) == (
+        pytest.approx(5000 / 6400),
+        None,
+        None,
+    )
     with pytest.raises(UsageError, match="2 1-worker cells match.*seed_cnn auto, seed_cnn float32"):
         scaling.read_bench_report(path)
 
@@ -191,7 +194,21 @@ def app_runs(tmp_path_factory):
     for folder in (fixtures, tree, logs):
         folder.mkdir()
     (fixtures / "bench.json").write_text(
-        json.dumps({"schema_version": 3, "cells": [_cell(1, 1600.0), _cell(2, 2880.0)]})
+        json.dumps(
+            {
+                "schema_version": 4,
+                "cells": [
+                    _cell(1, 1600.0, allreduce_dtype=None, gradient_bytes_per_step=0),
+                    _cell(
+                        2,
+                        2880.0,
+                        allreduce_dtype="bfloat16",
+                        gradient_bytes_per_step=713_620,
+                        collective_seconds_per_step=0.0042,
+                    ),
+                ],
+            }
+        )
     )
     good = [
         "--from_bench=FIXTURES/bench.json",
@@ -227,7 +244,10 @@ def test_app_predicts_from_a_bench_report_beside_its_measurement(app_runs):
     out = result["stdout"]
     assert "seed_cnn:" in out and "1 worker, 1,600 ex/s" in out
     assert "compute (1 device): 80.0 ms per step" in out
-    assert "measured in that report: 2 workers / (2 x 1 worker) = 0.900" in out
+    assert (
+        "measured in that report: 2 workers / (2 x 1 worker) = 0.900, bfloat16 all-reduce of 713,620 "
+        "bytes: 4.20 ms per step"
+    ) in out
     rows = [line.split() for line in out.splitlines() if line.startswith("seed_cnn  float32")]
     assert [row[-7] for row in rows] == ["2", "8"], out  # the devices column
 

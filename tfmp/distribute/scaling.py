@@ -288,7 +288,18 @@ class BenchCell:
     global_batch_size: int
     examples_per_sec: float
     step_seconds: float  # global batch / examples/s of the 1-worker cell
-    measured_efficiency: dict  # workers -> 2-worker examples/s / (N x 1-worker examples/s)
+    measured: list  # one Measured per N-worker cell of the same settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """An N-worker cell of a bench report, beside which a prediction is printed."""
+
+    workers: int
+    efficiency: float  # its examples/s / (N x the 1-worker cell's)
+    allreduce_dtype: str | None  # None: a report from before the bench recorded it
+    gradient_bytes: int | None  # sent per replica per step
+    collective_seconds: float | None  # that all-reduce alone, per step
 
 
 _SETTINGS = ("model", "precision", "xla", "tf32", "fused_norm", "data", "image_size", "steps_per_execution")
@@ -325,12 +336,17 @@ def read_bench_report(path: str, model: str | None = None, precision: str | None
 def _bench_cell(cell: dict, cells: list[dict]) -> BenchCell:
     result = cell["result"]
     settings = [cell.get(name) for name in _SETTINGS]
-    efficiency = {
-        other["workers"]: other["result"]["examples_per_sec"]
-        / (other["workers"] * result["examples_per_sec"])
+    measured = [
+        Measured(
+            workers=other["workers"],
+            efficiency=other["result"]["examples_per_sec"] / (other["workers"] * result["examples_per_sec"]),
+            allreduce_dtype=other["result"].get("allreduce_dtype"),
+            gradient_bytes=other["result"].get("gradient_bytes_per_step"),
+            collective_seconds=other["result"].get("collective_seconds_per_step"),
+        )
         for other in cells
         if other["workers"] > 1 and [other.get(name) for name in _SETTINGS] == settings
-    }
+    ]
     return BenchCell(
         model=cell["model"],
         precision=cell["precision"],
@@ -341,7 +357,7 @@ def _bench_cell(cell: dict, cells: list[dict]) -> BenchCell:
         global_batch_size=cell["global_batch_size"],
         examples_per_sec=result["examples_per_sec"],
         step_seconds=cell["global_batch_size"] / result["examples_per_sec"],
-        measured_efficiency=efficiency,
+        measured=measured,
     )
 
 
