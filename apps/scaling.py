@@ -134,6 +134,55 @@ def _measure_link() -> None:
     distribute.barrier(strategy)  # no worker exits while another still talks to it
 
 
+def _table(model: str, compute_seconds: float, rows: list[tuple[str, str, scaling.Prediction]]) -> str:
+    """The predictions as a text table; rows are (all-reduce dtype, link key, prediction). A `*`
+    marks a link that joins fewer devices than the row's in any shipped system."""
+    header = (
+        "model",
+        "all-reduce",
+        "MB/step",
+        "link",
+        "devices",
+        "all-reduce ms",
+        "step ms",
+        "efficiency",
+        "buckets",
+        "step ms (overlap)",
+        "efficiency (overlap)",
+    )
+    body, beyond_reach = [], False
+    for dtype, key, prediction in rows:
+        reach = scaling.LINKS[key].reach if key in scaling.LINKS else None
+        beyond = reach is not None and prediction.devices > reach
+        beyond_reach = beyond_reach or beyond
+        body.append(
+            (
+                model,
+                dtype,
+                f"{prediction.gradient_bytes / 1e6:.1f}",
+                prediction.link + (" *" if beyond else ""),
+                str(prediction.devices),
+                f"{prediction.allreduce_seconds * 1e3:.2f}",
+                f"{prediction.step_seconds * 1e3:.1f}",
+                f"{prediction.efficiency:.3f}",
+                str(prediction.buckets),
+                f"{prediction.step_seconds_overlapped * 1e3:.1f}",
+                f"{prediction.efficiency_overlapped:.3f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = [
+        "  ".join(value.ljust(width) for value, width in zip(row, widths)).rstrip() for row in [header, *body]
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines.append(f"compute (1 device): {compute_seconds * 1e3:.1f} ms per step")
+    if beyond_reach:
+        lines.append(
+            "* more devices than such links join in any shipped system (the ring crosses a slower link)"
+        )
+    return "\n".join(lines)
+
+
 def _measured_line(cell: scaling.Measured) -> str:
     line = f"measured in that report: {cell.workers} workers / ({cell.workers} x 1 worker) = {cell.efficiency:.3f}"
     if cell.allreduce_dtype:
@@ -164,7 +213,7 @@ def main(argv):
         for count in devices
     ]
     print(f"{model}: {parameters:,} trainable parameters; step time from {source}")
-    print(scaling.table(model, seconds, rows))
+    print(_table(model, seconds, rows))
     for cell in measured:
         print(_measured_line(cell))
 

@@ -6,7 +6,7 @@ scaling efficiency predicted from a measured single-device step, the gradient by
     prediction = scaling.predict(0.108, nbytes, devices=64, link=scaling.LINKS["400gbe"])
     prediction.efficiency, prediction.efficiency_overlapped
 
-    python -m apps.scaling                                   # the table, docs/distributed.md
+    python -m apps.scaling                                   # the table (docs/distributed.md)
     python -m apps.scaling --from_bench=bench-cpu-quick/bench.json --links=localhost
 
 The model (weak scaling: every device keeps its batch, so its compute time stays the same):
@@ -359,52 +359,3 @@ def _bench_cell(cell: dict, cells: list[dict]) -> BenchCell:
         step_seconds=cell["global_batch_size"] / result["examples_per_sec"],
         measured=measured,
     )
-
-
-def table(model: str, compute_seconds: float, rows: list[tuple[str, str, Prediction]]) -> str:
-    """The predictions as a text table; rows are (all-reduce dtype, link key, prediction). A `*`
-    marks a link that joins fewer devices than the row's in any shipped system."""
-    header = (
-        "model",
-        "all-reduce",
-        "MB/step",
-        "link",
-        "devices",
-        "all-reduce ms",
-        "step ms",
-        "efficiency",
-        "buckets",
-        "step ms (overlap)",
-        "efficiency (overlap)",
-    )
-    body = []
-    for dtype, key, prediction in rows:
-        reach = LINKS[key].reach if key in LINKS else None
-        body.append(
-            (
-                model,
-                dtype,
-                f"{prediction.gradient_bytes / 1e6:.1f}",
-                prediction.link + (" *" if reach is not None and prediction.devices > reach else ""),
-                str(prediction.devices),
-                f"{prediction.allreduce_seconds * 1e3:.2f}",
-                f"{prediction.step_seconds * 1e3:.1f}",
-                f"{prediction.efficiency:.3f}",
-                str(prediction.buckets),
-                f"{prediction.step_seconds_overlapped * 1e3:.1f}",
-                f"{prediction.efficiency_overlapped:.3f}",
-            )
-        )
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    lines = [
-        "  ".join(value.ljust(width) for value, width in zip(row, widths)).rstrip() for row in [header, *body]
-    ]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    lines.append(f"compute (1 device): {compute_seconds * 1e3:.1f} ms per step")
-    if any(
-        key in LINKS and LINKS[key].reach is not None and p.devices > LINKS[key].reach for _, key, p in rows
-    ):
-        lines.append(
-            "* more devices than such links join in any shipped system (the ring crosses a slower link)"
-        )
-    return "\n".join(lines)
