@@ -135,7 +135,9 @@ def test_validation_and_evaluate_match_keras(reference):
     expected = model.evaluate(images[:40], labels[:40], batch_size=GLOBAL_BATCH, return_dict=True, verbose=0)
     assert history["val_loss"][0] == pytest.approx(expected["loss"], rel=1e-5)
     assert history["val_accuracy"][0] == pytest.approx(expected["accuracy"])
-    ours = tfmp.evaluate(model, images[:40], labels[:40], batch_size=GLOBAL_BATCH, return_dict=True, verbose=0)
+    ours = tfmp.evaluate(
+        model, images[:40], labels[:40], batch_size=GLOBAL_BATCH, return_dict=True, verbose=0
+    )
     assert ours["loss"] == pytest.approx(expected["loss"], rel=1e-5)
 
 
