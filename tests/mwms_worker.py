@@ -129,11 +129,23 @@ def classification_cells(strategy):
 
 def overflow_on_worker_1(strategy):
     """Inf images on worker 1 only: the float16 step must be skipped on both workers."""
+    _overflow_cell(strategy, "overflow", np.inf, allreduce_plan=None)
+    # Gradients summed in float16 (--allreduce_dtype=float16): worker 1's finite but huge images
+    # overflow its float16 gradients; the sum is inf on both workers and both skip the step.
+    plan = allreduce.resolve("float16", "mixed_float16", True, strategy.num_replicas_in_sync)
+    _overflow_cell(strategy, "overflow_float16_sum", 3e4, allreduce_plan=plan)
+
+
+def _overflow_cell(strategy, kind, worker_1_image_scale, allreduce_plan):
+    """One float16 LeNet step (dynamic loss scale) whose images are multiplied by
+    `worker_1_image_scale` on worker 1 only, gradients all-reduced by `allreduce_plan` (None: the
+    optimizer's float32 sum); prints whether the weights stayed unchanged, the skipped steps, the
+    non-finite inputs seen and the loss scale after."""
 
     def poisoned(context):
         dataset = data.load("digits", "train", GLOBAL_BATCH, image_size=IMAGE_SIZE, input_context=context)[0]
         if context.input_pipeline_id == 1:
-            dataset = dataset.map(lambda images, labels: (images * np.inf, labels))
+            dataset = dataset.map(lambda images, labels: (images * worker_1_image_scale, labels))
         return dataset
 
     keras.utils.set_random_seed(0)
@@ -141,43 +153,10 @@ def overflow_on_worker_1(strategy):
         model = models.build("lenet", (IMAGE_SIZE, IMAGE_SIZE, 1), 10, dtype="mixed_float16")
         optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), "mixed_float16", "dynamic")
     compile_classifier(model, optimizer, strategy)
-    engine = Engine(strategy, model, optimizer)
+    engine = Engine(strategy, model, optimizer, allreduce_plan=allreduce_plan)
     before = _digest(_weights(model))
     totals = engine.train(iter(strategy.distribute_datasets_from_function(poisoned)), 1)
-    print(
-        json.dumps(
-            {
-                "kind": "overflow",
-                "unchanged": _digest(_weights(model)) == before,
-                "nonfinite_steps": totals.nonfinite_steps,
-                "loss_scale": precision.current_loss_scale(optimizer),
-            }
-        ),
-        flush=True,
-    )
-    overflow_in_a_float16_sum(strategy)
-
-
-def overflow_in_a_float16_sum(strategy):
-    """Gradients summed in float16 (--allreduce_dtype=float16): worker 1's finite but huge images
-    overflow its float16 gradients; the sum is inf on both workers and both skip the step."""
-
-    def huge_on_worker_1(context):
-        dataset = data.load("digits", "train", GLOBAL_BATCH, image_size=IMAGE_SIZE, input_context=context)[0]
-        if context.input_pipeline_id == 1:
-            dataset = dataset.map(lambda images, labels: (images * 3e4, labels))
-        return dataset
-
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = models.build("lenet", (IMAGE_SIZE, IMAGE_SIZE, 1), 10, dtype="mixed_float16")
-        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), "mixed_float16", "dynamic")
-    compile_classifier(model, optimizer, strategy)
-    plan = allreduce.resolve("float16", "mixed_float16", True, strategy.num_replicas_in_sync)
-    engine = Engine(strategy, model, optimizer, allreduce_plan=plan)
-    before = _digest(_weights(model))
-    totals = engine.train(iter(strategy.distribute_datasets_from_function(huge_on_worker_1)), 1)
-    record = {"kind": "overflow_float16_sum", "unchanged": _digest(_weights(model)) == before}
+    record = {"kind": kind, "unchanged": _digest(_weights(model)) == before}
     record.update(
         nonfinite_steps=totals.nonfinite_steps,
         nonfinite_inputs=list(totals.nonfinite_inputs),
