@@ -11,7 +11,6 @@ symbolically for the data's spec, so a shape mismatch is one UsageError, not a t
 
 from __future__ import annotations
 
-import inspect
 import re
 
 import keras
@@ -247,9 +246,7 @@ def check_data(model: keras.Model, strategy, train: FitData, validation: FitData
 
 def validation_data_of(validation_data, batch_size: int) -> FitData:
     """Keras' `validation_data`: a dataset, a PyDataset, a generator, or (x, y[, sample_weight])."""
-    if isinstance(validation_data, (tf.data.Dataset, keras.utils.PyDataset)) or inspect.isgenerator(
-        validation_data
-    ):
+    if fit_inputs.is_stream(validation_data):
         return fit_inputs.of(validation_data, None, None, None, False, 0, None, "validation data")
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise UsageError(

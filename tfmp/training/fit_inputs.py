@@ -97,12 +97,18 @@ def x_y_weight(element) -> tuple:
     return element, None, None
 
 
+def is_stream(x) -> bool:
+    """Whether `x` yields its own batches (x, y[, sample_weight]): a `tf.data.Dataset`, a
+    `keras.utils.PyDataset` or a Python generator, rather than arrays for tfmp to batch."""
+    return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or inspect.isgenerator(x)
+
+
 def of(x, y, sample_weight, batch_size, shuffle, seed, class_weight, what) -> FitData:
     """The `FitData` of `model.fit`-style arguments (see the module docstring)."""
     if isinstance(x, tf.data.Dataset):
         _no_separate("a tf.data.Dataset", what, y=y, sample_weight=sample_weight)
         data = FitData(lambda pass_index: x, what, "dataset")
-    elif isinstance(x, keras.utils.PyDataset) or inspect.isgenerator(x):
+    elif is_stream(x):
         kind = "PyDataset" if isinstance(x, keras.utils.PyDataset) else "generator"
         _no_separate(f"a {kind}", what, y=y, sample_weight=sample_weight)
         data = _python_data(x, kind, shuffle, what)
@@ -200,7 +206,7 @@ def validation_split(x, y, sample_weight, fraction: float) -> tuple[tuple, tuple
     examples, taken before any shuffling, as Keras' `train_validation_split` does."""
     if not 0.0 < fraction < 1.0:
         raise UsageError(f"validation_split={fraction} must be between 0 and 1, e.g. 0.2")
-    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or inspect.isgenerator(x):
+    if is_stream(x):
         raise UsageError(
             f"validation_split={fraction} needs arrays, not {type(x).__name__} (as in Keras): "
             "pass validation_data= instead"
