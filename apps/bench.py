@@ -79,6 +79,12 @@ flags.DEFINE_list(
     ["auto"],
     "Multi-replica and multi-worker cells: the dtypes gradients are summed in (auto, float32, bfloat16, float16).",
 )
+flags.DEFINE_list(
+    "allreduce_bucket_bytes",
+    [str(bench.DEFAULT_BUCKET_BYTES)],
+    "Multi-replica and multi-worker cells: the bucket sizes in bytes gradients are summed in, "
+    "last layers first (0: one call after the backward pass).",
+)
 flags.DEFINE_list("tf32", ["on"], "TF32 for float32 cells (Ampere+ GPUs): on, off.")
 flags.DEFINE_list(
     "ratio_models",
@@ -232,6 +238,7 @@ def _config() -> bench.BenchConfig:
         xla=_switches("xla"),
         tf32=_switches("tf32"),
         allreduce_dtypes=FLAGS.allreduce_dtypes,
+        allreduce_bucket_bytes=_integers("allreduce_bucket_bytes"),
         ratio_models=FLAGS.ratio_models,
         data=FLAGS.data,
         global_batch_size=FLAGS.global_batch_size,

@@ -44,6 +44,8 @@ def tiny_report(tmp_path_factory):
             "--precisions=float32,mixed_bfloat16",
             "--replicas=1,2",
             "--allreduce_dtypes=float32,bfloat16",
+            # Smaller than mnist_mlp's gradients: the 2-replica cells sum in several calls.
+            "--allreduce_bucket_bytes=65536",
             "--noreferences",
             "--global_batch_size=16",
             "--steps_per_execution=2",
@@ -117,6 +119,11 @@ def test_every_ratio_of_the_run_divides_its_named_cells(tiny_report):
     # A bfloat16 sum sends half a float32 one's bytes; both sums were timed on their own.
     assert two_bfloat16["gradient_bytes_per_step"] * 2 == two["gradient_bytes_per_step"] > 0
     assert one["gradient_bytes_per_step"] == 0 and one["collective_seconds_per_step"] is None
+    # 64 KiB buckets: the head's small gradients, then the first layer's kernel alone (larger
+    # than a bucket); a bfloat16 sum needs no more calls than float32's.
+    assert two["allreduce_bucket_bytes"] == two_bfloat16["allreduce_bucket_bytes"] == 65536
+    assert two["allreduce_buckets"] >= two_bfloat16["allreduce_buckets"] >= 2
+    assert one["allreduce_buckets"] == 0 and one["allreduce_bucket_bytes"] is None
     for row in scaling.values():
         assert row["collective_seconds_per_step"] > 0 and row["collective_share"] > 0
     assert ratios["speedup_vs_float32"][("mixed_bfloat16", 1)] == pytest.approx(half[eps] / one[eps])
@@ -317,6 +324,7 @@ def test_unknown_model_is_a_one_line_error_after_the_environment_cell(tmp_path):
         (dict(replicas=[], workers=[]), "--replicas and/or --workers"),
         (dict(workers=[0]), "--workers value 0 must be >= 1"),
         (dict(allreduce_dtypes=["half"]), "unknown --allreduce_dtypes value 'half'"),
+        (dict(allreduce_bucket_bytes=[0, -1]), r"--allreduce_bucket_bytes=\[0, -1\] needs sizes >= 0"),
         (dict(mode="serve"), "unknown mode 'serve'"),
         (dict(data="imagenet"), "unknown bench data 'imagenet'"),
         (dict(peak_repeats=0), "--peak_repeats=0 must be >= 1"),
@@ -348,3 +356,27 @@ def test_precision_probe_cell_prints_beside_the_peaks():
 def test_the_bench_names_the_all_reduce_dtypes_tfmp_has():
     """matrix.py spells them out (its process must not import TensorFlow): they must agree."""
     assert bench.ALLREDUCE_DTYPES == allreduce.DTYPES
+    assert bench.DEFAULT_BUCKET_BYTES == allreduce.DEFAULT_BUCKET_BYTES
+
+
+def test_multi_device_cells_are_one_per_all_reduce_dtype_and_bucket_size():
+    config = bench.BenchConfig(
+        models=["lenet"],
+        precisions=["float32"],
+        replicas=[1, 2],
+        workers=[2],
+        allreduce_dtypes=["float32", "bfloat16"],
+        allreduce_bucket_bytes=[0, 4096],
+        references=False,
+    )
+    engine = [c for c in bench.cells(config, ENVIRONMENT) if c["kind"] == "engine"]
+    summed = {
+        (c["replicas"], c["workers"], c["allreduce_dtype"], c["allreduce_bucket_bytes"]) for c in engine
+    }
+    assert summed == {(1, 0, None, None)} | {
+        (replicas, workers, dtype, size)
+        for replicas, workers in ((2, 0), (1, 2))
+        for dtype in ("float32", "bfloat16")
+        for size in (0, 4096)
+    }
+    assert len(engine) == 9

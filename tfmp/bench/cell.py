@@ -116,12 +116,15 @@ def _engine_executions(cell, strategy, engine, dataset_fn):
 
 
 def _allreduce_plan(cell, strategy, model, optimizer) -> allreduce.Plan:
-    """How the cell's gradients are summed: its `allreduce_dtype` (None, one device: auto)."""
+    """How the cell's gradients are summed: its `allreduce_dtype` and `allreduce_bucket_bytes`
+    (None, one device: auto and the default buckets)."""
+    bucket_bytes = cell.get("allreduce_bucket_bytes")
     return allreduce.resolve(
         cell.get("allreduce_dtype") or "auto",
         model.dtype_policy.name,
         isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
         strategy.num_replicas_in_sync,
+        allreduce.DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
     )
 
 
@@ -162,6 +165,10 @@ def _gradient_sums(cell, strategy, model, optimizer) -> dict:
     summed = strategy.num_replicas_in_sync > 1 and cell["kind"] == "engine" and cell["mode"] == "train"
     return {
         "allreduce_dtype": plan.dtype if summed else None,
+        "allreduce_bucket_bytes": plan.bucket_bytes if summed else None,
+        "allreduce_buckets": len(allreduce.buckets(model.trainable_variables, plan.dtype, plan.bucket_bytes))
+        if summed
+        else 0,
         "gradient_bytes_per_step": allreduce.gradient_bytes(model.trainable_variables, plan.dtype)
         if summed
         else 0,

@@ -30,6 +30,7 @@ an `Environment` that a fresh cell process reports.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from tfmp import run_dir
@@ -44,6 +45,7 @@ LAYER_PROFILE_POLICIES = ("float32", "mixed_bfloat16")
 # tfmp.distribute.allreduce.DTYPES, named here: that module imports TensorFlow, which this
 # process must not (tests/test_bench.py checks the two agree).
 ALLREDUCE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # tfmp.distribute.allreduce.DEFAULT_BUCKET_BYTES (the same test)
 INPUT_COST_BATCHES = 10  # timed batches per pipeline and round of an input_cost cell
 # The BatchNormalization study's policies: float32, and both half types as the GPU guide has them.
 
@@ -58,6 +60,8 @@ class BenchConfig:
     tf32: list[bool] = dataclasses.field(default_factory=lambda: [True])  # float32 cells only
     # Cells of several replicas or workers: the dtypes their gradients are summed in.
     allreduce_dtypes: list[str] = dataclasses.field(default_factory=lambda: ["auto"])
+    # ... and the bucket sizes they are summed in (0: one all-reduce call after the backward pass).
+    allreduce_bucket_bytes: list[int] = dataclasses.field(default_factory=lambda: [DEFAULT_BUCKET_BYTES])
     ratio_models: list[str] = dataclasses.field(default_factory=list)  # scaling + references; [] = all
     data: str = "synthetic"  # synthetic | builtin | tfds:<name>
     global_batch_size: int = 64  # of a 1-replica cell; N-replica cells use N x (weak scaling)
@@ -143,6 +147,11 @@ def check(config: BenchConfig) -> None:
     for dtype in config.allreduce_dtypes:
         if dtype not in ALLREDUCE_DTYPES:
             raise unknown("--allreduce_dtypes value", dtype, ALLREDUCE_DTYPES)
+    if not config.allreduce_bucket_bytes or min(config.allreduce_bucket_bytes) < 0:
+        raise UsageError(
+            f"--allreduce_bucket_bytes={config.allreduce_bucket_bytes} needs sizes >= 0 "
+            f"(0: one all-reduce call), e.g. 0,{DEFAULT_BUCKET_BYTES}"
+        )
     for flag in ("global_batch_size", "steps_per_execution", "executions", "repeats", "peak_repeats"):
         if getattr(config, flag) < 1:
             raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")
@@ -299,11 +308,16 @@ def _group_cells(config: BenchConfig, environment: Environment, common: dict) ->
             replicas=replicas,
             workers=workers,
             global_batch_size=batch * (workers or replicas),
-            # One device sums nothing: None. Several: one cell per dtype the sum is made in.
+            # One device sums nothing: None. Several: one cell per dtype and bucket size.
             allreduce_dtype=dtype,
+            allreduce_bucket_bytes=bucket_bytes,
         )
         for replicas, workers in devices
-        for dtype in (config.allreduce_dtypes if max(replicas, workers) > 1 else [None])
+        for dtype, bucket_bytes in (
+            itertools.product(config.allreduce_dtypes, config.allreduce_bucket_bytes)
+            if max(replicas, workers) > 1
+            else [(None, None)]
+        )
     ]
     if not (config.references and ratios):
         return result

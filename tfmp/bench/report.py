@@ -39,6 +39,7 @@ def _key(cell: dict, **changes) -> tuple:
         values["workers"],
         values.get("fused_norm", False),
         values.get("allreduce_dtype"),
+        values.get("allreduce_bucket_bytes"),
     )
 
 
@@ -77,7 +78,9 @@ def derive(cells: list[dict]) -> dict:
                 ratios[name].append(dict(label, global_batch_size=cell["global_batch_size"], value=value))
         count = cell["workers"] or cell["replicas"]
         one = dict(workers=1) if cell["workers"] else dict(replicas=1)
-        single = throughput(_key(cell, **one)) or throughput(_key(cell, **one, allreduce_dtype=None))
+        single = throughput(_key(cell, **one)) or throughput(
+            _key(cell, **one, allreduce_dtype=None, allreduce_bucket_bytes=None)
+        )
         if single and count > 1:
             derived["scaling_efficiency"] = result["examples_per_sec"] / (count * single)
             ratios["scaling_efficiency"].append(
@@ -188,6 +191,7 @@ def _summing(result: dict) -> dict:
     seconds = result.get("collective_seconds_per_step") or 0.0
     return {
         "allreduce_dtype": result.get("allreduce_dtype") or "none",
+        "allreduce_buckets": result.get("allreduce_buckets", 0),
         "gradient_bytes_per_step": result.get("gradient_bytes_per_step", 0),
         "collective_seconds_per_step": seconds,
         "collective_share": seconds / result["step_time_median"] if result.get("step_time_median") else 0.0,
@@ -196,8 +200,12 @@ def _summing(result: dict) -> dict:
 
 def _devices(cell: dict) -> str:
     devices = f"{cell['workers']}w x 1 core" if cell["workers"] else f"{cell['replicas']} replica(s)"
-    summed = cell.get("result", {}).get("allreduce_dtype")
-    return f"{devices}, sum {summed}" if summed else devices
+    result = cell.get("result", {})
+    summed = result.get("allreduce_dtype")
+    if not summed:
+        return devices
+    calls = result.get("allreduce_buckets", 0)
+    return f"{devices}, sum {summed} in {calls} call{'s' if calls != 1 else ''}"
 
 
 def table(cells: list[dict], ratios: dict) -> str:

@@ -81,6 +81,8 @@ ENGINE_RESULT = {
     "inter_op_threads": "integer",
     "paired_input": "object?",
     "allreduce_dtype": "string?",  # the dtype gradients were summed in (null: one device, or a fit cell)
+    "allreduce_bucket_bytes": "integer?",  # the bucket size asked for (0: one call; null: nothing summed)
+    "allreduce_buckets": "integer",  # the all-reduce calls per step (0: nothing summed)
     "gradient_bytes_per_step": "integer",  # sent per replica per step (0: nothing summed)
     "collective_seconds_per_step": "number?",  # that sum alone, timed apart from the step
 }
@@ -111,6 +113,7 @@ RATIOS = {
     "scaling_efficiency": dict(
         _DEVICE_LABEL,
         allreduce_dtype="string",
+        allreduce_buckets="integer",
         gradient_bytes_per_step="integer",
         collective_seconds_per_step="number",
         collective_share="number",
