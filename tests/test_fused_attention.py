@@ -144,7 +144,7 @@ def test_unfusable_attention_is_listed_with_its_reason():
         ("model/dropout", f"dropout 0.1: {explicit}"),
         ("model/two_axes", f"attention_axes (1, 2): {explicit}"),
         ("model/double", "compute dtype float64"),
-        ("model/own_call", "_OwnCall overrides call"),
+        ("model/own_call", "_OwnCall overrides call without calling self._compute_attention"),
         ("model/own_core", "_OwnCore overrides _compute_attention"),
         (
             "model/grouped",

@@ -36,6 +36,16 @@ Keras' own. Calls Keras routes to its explicit path run Keras' own `_compute_att
 other axes than the sequence, where Keras computes the softmax in the compute dtype itself
 and keeps no float32 copy.
 
+Subclasses: one that overrides `_compute_attention` keeps its own core (left alone, named). One
+that overrides only `call` is fused when its `call` goes through `self._compute_attention`
+(`calls_attention_core`: the method's code names the attribute), since the replaced core then
+runs with the same projected tensors Keras' core would get: keras-hub's
+`CachedMultiHeadAttention` (GPT-2, OPT, `TransformerDecoder`; without a cache its `call` is
+Keras' projections, `_compute_attention` and the output projection; with one, the cached keys
+and values go through the same core), `WhisperCachedMultiHeadAttention` and
+`MoonshineMultiHeadAttention`. A subclass whose `call` never reads it (XLNet's
+`TwoStreamRelativeAttention`, with its own `compute_attention`) is left alone, named.
+
 The route depends on (Keras 3.15.1): `MultiHeadAttention.call` calling
 `self._compute_attention(query, key, value, attention_mask, training, return_attention_scores
 [, use_causal_mask=True])` with the projected [B, T, N, H] tensors; the public `key_dim`,
@@ -46,6 +56,7 @@ has no flash attention: Keras raises, so such a layer is left alone to raise as 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import keras
@@ -112,10 +123,11 @@ def fused_compute_attention(
 
 def unfusable_reason(layer) -> str | None:
     """Why `fused_compute_attention` cannot stand in for this MultiHeadAttention's, or None."""
-    base = keras.layers.MultiHeadAttention
-    for method in ("call", compat.ATTENTION_CORE):
-        if getattr(type(layer), method) is not getattr(base, method):
-            return f"{type(layer).__name__} overrides {method}"
+    base, name = keras.layers.MultiHeadAttention, type(layer).__name__
+    if getattr(type(layer), compat.ATTENTION_CORE) is not getattr(base, compat.ATTENTION_CORE):
+        return f"{name} overrides {compat.ATTENTION_CORE}"
+    if type(layer).call is not base.call and not calls_attention_core(type(layer)):
+        return f"{name} overrides call without calling self.{compat.ATTENTION_CORE}"
     if compat.uses_flash_attention(layer):
         return "flash_attention=True (TensorFlow has none: Keras' layer raises)"
     if not layer.built:
@@ -133,6 +145,14 @@ def unfusable_reason(layer) -> str | None:
     if layer.compute_dtype not in FUSED_DTYPES:
         return f"compute dtype {layer.compute_dtype}"
     return None
+
+
+def calls_attention_core(cls) -> bool:
+    """Whether `cls.call` (a subclass's own) reads `self._compute_attention`: its code names the
+    attribute (keras-hub's `CachedMultiHeadAttention.call` does; XLNet's
+    `TwoStreamRelativeAttention.call`, with its own core, does not)."""
+    code = getattr(inspect.unwrap(cls.call), "__code__", None)
+    return code is not None and compat.ATTENTION_CORE in code.co_names
 
 
 @functools.cache

@@ -48,8 +48,17 @@ MultiHeadAttention's attention core goes to `tfmp.precision.attention` (the soft
 as Keras computes it, the probabilities the backward pass keeps in the compute dtype): its
 `_compute_attention`, Keras' documented hook, is replaced on the instance instead of `call`.
 Left alone there: `dropout` > 0 and attention over several axes (Keras' explicit path already
-keeps half-precision probabilities), subclasses that override `call` or `_compute_attention`
-(keras-hub's `CachedMultiHeadAttention`), `flash_attention=True`, float64, layers not built.
+keeps half-precision probabilities), subclasses that override `_compute_attention`, or override
+`call` with one that does not go through `_compute_attention` (XLNet's
+`TwoStreamRelativeAttention`), `flash_attention=True`, float64, layers not built. A subclass
+that overrides only `call`, with a `call` that does go through it, is fused (keras-hub's
+`CachedMultiHeadAttention`: `tfmp.precision.attention` says why that is exact).
+
+keras-hub (0.32): `ViTBackbone` and `BertBackbone` build Keras' own `LayerNormalization` and
+`MultiHeadAttention` inside their blocks (`ViTEncoderBlock`, `TransformerEncoder`): fused, found
+through the blocks' attributes. keras-hub's own normalization layers are plain `keras.layers.Layer`
+subclasses with their own `call` (`keras_hub.layers.RMSNormalization`, `LlamaLayerNorm`,
+`T5LayerNorm`, Gemma's `RMSNormalization`, ...): listed by name, left alone.
 
 Left alone, with the reason: other ranks than 4, axes other than channels-last or channels-first
 (NCHW runs in the kernel itself: on CPU it transposes internally, cuDNN takes it natively),
