@@ -26,6 +26,7 @@ SHIMS = {"tfmp.launch", "tfmp"}
 LAZY_IMPORTS = {
     # `import tfmp` / `python -m tfmp.launch` must not import TensorFlow: fit/evaluate load on use.
     ("tfmp", "tfmp.training.fitting"),
+    ("tfmp", "tfmp.training.evaluating"),
     ("tfmp", "tfmp.precision.fused_norm"),  # tfmp.fuse_normalization, likewise
     # A training matrix's parent process must not hold TensorFlow (the cells run in fresh ones).
     ("apps.bench", "tfmp.bench.inference"),

@@ -18,8 +18,12 @@ def __getattr__(name):
         from tfmp.precision import fused_norm
 
         return fused_norm.fuse_normalization
-    if name in __all__:
+    if name == "fit":
         from tfmp.training import fitting
 
-        return getattr(fitting, name)
+        return fitting.fit
+    if name in ("evaluate", "predict"):
+        from tfmp.training import evaluating
+
+        return getattr(evaluating, name)
     raise AttributeError(f"module 'tfmp' has no attribute {name!r}")

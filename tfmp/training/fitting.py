@@ -1,5 +1,6 @@
-"""`tfmp.fit`, `tfmp.evaluate`, `tfmp.predict`: `model.fit`, `evaluate` and `predict` for a user's
-compiled Keras model, trained the way tfmp's apps train (docs/fit.md).
+"""`tfmp.fit`: `model.fit` for a user's compiled Keras model, trained the way tfmp's apps train
+(docs/fit.md); `prepare` gives it and `tfmp.evaluate` / `tfmp.predict` (evaluating.py) the
+model's strategy and its kept engine.
 
     strategy = tfmp.distribute.strategies.get_strategy("auto")     # or tf.distribute.MirroredStrategy(), ...
     with strategy.scope():
@@ -80,7 +81,7 @@ def model_strategy(model: keras.Model) -> tf.distribute.Strategy:
     return owner or active or tf.distribute.get_strategy()
 
 
-def _check_compiled(model: keras.Model) -> None:
+def check_compiled(model: keras.Model) -> None:
     if not isinstance(model, keras.Model):
         raise UsageError(f"tfmp.fit needs a keras.Model, got {type(model).__name__}")
     if not getattr(model, "compiled", False) or model.optimizer is None:
@@ -104,7 +105,7 @@ def prepare(
     setting and all-reduce stay the same, so a second call traces nothing again (as Keras keeps
     `model.train_function`); `allreduce_dtype=None` (evaluate, predict: nothing is summed) takes
     the kept engine's, or auto."""
-    _check_compiled(model)
+    check_compiled(model)
     unfused = fused_norm.unfused(model)
     if unfused and id(model) not in _hinted:
         _hinted.add(id(model))
@@ -196,7 +197,7 @@ def fit(
     """
     _check_arguments(epochs, initial_epoch, steps_per_epoch, steps_per_execution, validation_freq)
     model_dir = run_dir.writable_dir(model_dir, "model_dir") if model_dir else None
-    _check_compiled(model)
+    check_compiled(model)
     strategy = model_strategy(model)
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = fit_inputs.validation_split(
@@ -342,74 +343,3 @@ def _inputs(engine: Engine, train, steps_per_epoch: int, validation, validation_
         return engine.evaluate(strategy.experimental_distribute_dataset(data))
 
     return data_for_epoch, evaluate if validation else None
-
-
-def evaluate(
-    model: keras.Model,
-    x=None,
-    y=None,
-    batch_size: int | None = None,
-    verbose="auto",
-    sample_weight=None,
-    steps: int | None = None,
-    callbacks: list | None = None,
-    return_dict: bool = False,
-    *,
-    xla: bool = False,
-):
-    """`model.evaluate` on the model's strategy: the compiled loss and metrics over the data.
-
-    Returns what Keras returns: the loss alone for a model without metrics, else the list
-    `[loss, *metrics]` in `model.metrics_names` order, or a dict with `return_dict=True`.
-    `verbose` prints one line of results (the whole pass runs in one traced call, so there is no
-    per-batch bar); `callbacks` get `on_test_begin` / `on_test_end` with the results.
-    """
-    _check_compiled(model)
-    strategy = model_strategy(model)
-    data = fit_inputs.of(x, y, sample_weight, batch_size, False, 0, None, "evaluation data")
-    if data.infinite and not steps:
-        raise UsageError("evaluation data: the dataset is endless; pass steps=")
-    fit_data.check_label_types(model, data)
-    fit_data.build_for_data(model, strategy, data.element_spec)
-    fit_data.check_label_values(model, data)
-    strategy, engine, _ = prepare(model, xla)
-    callback_list = keras.callbacks.CallbackList(callbacks, model=model, verbose=0)
-    callback_list.on_test_begin()
-    dataset = data.dataset(0).take(steps) if steps else data.dataset(0)
-    results = engine.evaluate(strategy.experimental_distribute_dataset(dataset))
-    callback_list.on_test_end(results)
-    if verbose and distribute.describe(strategy).is_chief:
-        print(" - ".join(f"{name}: {value:.4f}" for name, value in results.items()), flush=True)
-    if return_dict:
-        return results
-    values = _in_keras_order(model, results)
-    return values[0] if len(values) == 1 else values
-
-
-def _in_keras_order(model: keras.Model, results: dict) -> list:
-    """The results as `model.evaluate` lists them: the model's metrics in order (a compiled
-    metrics container's own metrics in its place), then any other key alphabetically."""
-    names = []
-    for metric in model.metrics:
-        inner = getattr(metric, "metrics", None)  # Keras' container of the compiled metrics
-        names += [item.name for item in inner] if isinstance(inner, list) and inner else [metric.name]
-    ordered = [name for name in names if name in results]
-    return [results[name] for name in ordered + sorted(set(results) - set(ordered))]
-
-
-def predict(model: keras.Model, x, batch_size: int | None = None, verbose="auto", steps: int | None = None):
-    """`model.predict` on the model's strategy: the outputs for every example, as NumPy (every
-    worker gets all of them), in the input's order."""
-    _check_compiled(model)
-    strategy = model_strategy(model)
-    data = fit_inputs.of(x, None, None, batch_size, False, 0, None, "prediction data")
-    if data.infinite and not steps:
-        raise UsageError("prediction data: the dataset is endless; pass steps=")
-    fit_data.build_for_data(model, strategy, data.element_spec)
-    strategy, engine, _ = prepare(model, False)
-    dataset = data.dataset(0).take(steps) if steps else data.dataset(0)
-    outputs, _ = engine.predict(strategy.experimental_distribute_dataset(dataset))
-    if verbose and distribute.describe(strategy).is_chief:
-        rows = len(tf.nest.flatten(outputs)[0]) if outputs is not None else 0
-        print(f"predicted {rows} examples", flush=True)
-    return outputs
