@@ -13,6 +13,7 @@ import tensorflow as tf
 from tfmp import precision
 from tfmp.distribute import allreduce
 from tfmp.errors import UsageError
+from tfmp.training import run_card
 from tfmp.training.engine import Engine
 
 
@@ -154,3 +155,15 @@ def test_buckets_train_exactly_as_one_call(mirrored, xla):
         copies = _replica_copies(mirrored, variable)
         np.testing.assert_array_equal(copies[0], copies[1])
         np.testing.assert_array_equal(copies[0], expected.numpy())
+
+
+def test_the_run_card_names_the_calls_and_the_collective(mirrored):
+    with mirrored.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    plan = allreduce.resolve("bfloat16", "float32", False, 2, 16)
+    row = run_card.allreduce_row(Engine(mirrored, model, allreduce_plan=plan))
+    # bfloat16 gradients of 16, 96, 6 and 48 bytes: each its own 16-byte bucket.
+    assert row.startswith("bfloat16, buckets of 16 bytes (asked for); 0.00 MiB of gradients")
+    assert row.endswith("in 4 calls, reduction to one device (logical CPUs share memory)")
+    assert allreduce.implementation(tf.distribute.get_strategy()) == "none"

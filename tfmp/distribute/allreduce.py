@@ -47,7 +47,7 @@ class Plan:
     requested: str = "auto"  # what was asked for (auto resolves per policy and replica count)
 
     def describe(self) -> str:
-        buckets = f"buckets of {self.bucket_bytes / 2**20:g} MiB" if self.bucket_bytes else "one call"
+        buckets = f"buckets of {_size(self.bucket_bytes)}" if self.bucket_bytes else "one call"
         return f"{self.dtype}, {buckets} ({self.reason})"
 
 
@@ -78,6 +78,21 @@ def resolve(
             "bfloat16", bucket_bytes, "auto: the policy computes in bfloat16, whose range is float32's"
         )
     return Plan("float32", bucket_bytes, f"auto: {policy} keeps float32 gradients")
+
+
+def implementation(strategy: tf.distribute.Strategy) -> str:
+    """The collective the strategies of `tfmp.distribute.strategies` sum gradients with (the
+    run card names it): TensorFlow picks it per strategy and device kind, and tfmp sets
+    `cross_device_ops` only for a CPU MirroredStrategy."""
+    gpus = bool(tf.config.list_logical_devices("GPU"))
+    if strategy.num_replicas_in_sync == 1:
+        return "none"
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        # CommunicationImplementation.AUTO: NCCL between GPUs, ring collectives otherwise.
+        return "NCCL collectives" if gpus else "ring collectives over gRPC"
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        return "NCCL all-reduce" if gpus else "reduction to one device (logical CPUs share memory)"
+    return type(strategy).__name__
 
 
 def buckets(gradients: list, dtype: str, bucket_bytes: int) -> list[list[int]]:
@@ -121,6 +136,13 @@ def all_reduce(context, gradients: list, plan: Plan) -> list:
 def gradient_bytes(variables, dtype: str) -> int:
     """The bytes one all-reduce of these variables' gradients sends per replica, in `dtype`."""
     return sum(_elements(variable) for variable in variables) * tf.as_dtype(dtype).size
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _elements(tensor) -> int:

@@ -98,7 +98,11 @@ def allreduce_row(engine) -> str:
     """The gradients' sum: dtype, buckets, why, and the bytes each replica sends per step."""
     plan = engine.allreduce
     sent = allreduce.gradient_bytes(engine.model.trainable_variables, plan.dtype)
-    return f"{plan.describe()}; {sent / 2**20:.2f} MiB of gradients per replica per step"
+    calls = len(allreduce.buckets(engine.model.trainable_variables, plan.dtype, plan.bucket_bytes))
+    via = allreduce.implementation(engine.strategy)
+    return f"{plan.describe()}; {sent / 2**20:.2f} MiB of gradients per replica per step" + (
+        "" if via == "none" else f" in {calls} call{'s' if calls != 1 else ''}, {via}"
+    )
 
 
 def describe_fit(model, engine, topology, settings, start_step, xla, note, model_dir) -> dict:
