@@ -20,6 +20,13 @@ model, trained by tfmp's Engine in the bench's engine cells like tfmp's own (`--
   patches: 257 tokens at the built-in 32x32 data instead of 65, so each attention tensor
   (batch, heads, T, T) holds 4x what a (batch, T, width) activation does (at 65 tokens, 1x): the
   longer-sequence case of issue 33 that 2 cores can still train.
+* `hub_vit` - keras-hub's own `ViTBackbone` built from its constructor (no weights downloaded)
+  at issue 33's size: patch 4 (65 tokens at 32x32), 4 layers, width 128, 4 heads, MLP 512
+  (4x), dropout 0, LayerNormalization epsilon 1e-6 (its defaults); then keras-hub
+  ViTImageClassifier's "token" pooling (the class token) and a float32 softmax Dense. Needs
+  keras-hub (`pip install 'keras-hub>=0.32,<0.33'`), imported only when this model is built:
+  every other bench cell runs without it. Its BERT sibling takes tokens, which the bench's image
+  data cannot feed: `tfmp.bench.hub_transformers` measures both through `tfmp.fit`.
 
 In the two plain Keras models every layer is a stock `keras.layers` layer given the cell's
 dtype policy, as a user under `keras.mixed_precision.set_global_policy(...)` gets it; the head
@@ -31,10 +38,11 @@ them; the bench's
 from __future__ import annotations
 
 import functools
+import importlib
 
 import keras
 
-from tfmp.errors import unknown
+from tfmp.errors import UsageError, unknown
 from tfmp.models.vit import VIT_TINY, vit
 
 BN = {"epsilon": 1e-5, "momentum": 0.9}  # keras-hub ResNet's BatchNormalization settings
@@ -99,10 +107,39 @@ def keras_resnet(input_shape, num_classes: int, dtype=None, name: str = "keras_r
     return _head(inputs, x, num_classes, dtype, name)
 
 
+# issue 33's keras-hub ViT: ViTBackbone's arguments.
+HUB_VIT = {"patch_size": 4, "num_layers": 4, "num_heads": 4, "hidden_dim": 128, "mlp_dim": 512}
+
+
+def keras_hub_module():
+    """keras_hub, imported on first use: an optional dependency of the bench's keras-hub models
+    (it costs seconds to import and is absent from a plain install)."""
+    try:
+        return importlib.import_module("keras_hub")
+    except ImportError as error:
+        raise UsageError(
+            f"the keras-hub bench models need keras-hub ({error}); pip install 'keras-hub>=0.32,<0.33'"
+        ) from None
+
+
+def hub_vit(input_shape, num_classes: int, dtype=None, name: str = "hub_vit", **backbone) -> keras.Model:
+    """keras-hub's ViTBackbone (HUB_VIT, overridden by `backbone`) -> class token -> float32 softmax."""
+    vit_backbone = keras_hub_module().models.ViTBackbone(
+        image_shape=tuple(input_shape), dtype=dtype, name=f"{name}_backbone", **{**HUB_VIT, **backbone}
+    )
+    images = keras.Input(shape=input_shape, name=f"{name}_images")
+    token = vit_backbone(images)[:, 0, :]  # ViTImageClassifier's pooling="token"
+    outputs = keras.layers.Dense(num_classes, activation="softmax", dtype="float32", name=f"{name}_probs")(
+        token
+    )
+    return keras.Model(images, outputs, name=name)
+
+
 MODELS = {
     "keras_bn_cnn": keras_bn_cnn,
     "keras_resnet": keras_resnet,
     "vit_tiny_p2": functools.partial(vit, **dict(VIT_TINY, patch_size=2)),
+    "hub_vit": hub_vit,
 }
 
 
