@@ -90,8 +90,9 @@ def run_python(args, cwd=None, timeout=600, env=None):
 @pytest.fixture(scope="session")
 def launched_workers(tmp_path_factory):
     """One `python -m tfmp.launch --workers=2` group running tests/mwms_worker.py, shared by the
-    multi-worker cells of test_matrix, test_detect_app, test_faster_rcnn and test_fit: every check in one start
-    of TensorFlow in two worker processes. `records[kind][worker]` lists that worker's JSON
+    multi-worker cells of test_matrix, test_pipeline_2d, test_detect_app, test_faster_rcnn, test_fit,
+    test_fit_conformance, test_fused_layer_norm and test_fused_norm: every check in one start of
+    TensorFlow in two worker processes. `records[kind][worker]` lists that worker's JSON
     lines of that kind; tests assert `returncode == 0` (showing `tail`) before reading them."""
     out = tmp_path_factory.mktemp("launched_workers")
     result = run_python(

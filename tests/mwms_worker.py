@@ -9,12 +9,15 @@ Prints one JSON line per check, each with a "kind", for the tests to compare acr
   whole split against this worker's own count, and a digest of every model and optimizer variable;
 - "pipeline_2d*" (tests/test_pipeline_2d.py): the same LeNet cells as a 2-stage pipeline on each
   worker's 2 logical CPUs (tests/pipeline_2d_worker.py);
-- "overflow": one float16 step with inf images on worker 1 only, which both must skip;
+- "overflow" and "overflow_float16_sum": one float16 step with inf images on worker 1 only, and
+  one whose huge images overflow worker 1's gradients summed in float16, which both must skip;
 - "detect" and "faster_rcnn" (tests/test_detect_app.py, tests/test_faster_rcnn.py): the tiny
   RetinaNet and Faster R-CNN in every precision x XLA cell;
 - "fit" (tests/test_fit.py): a user's tfmp.fit script (tests/fit_worker.py) on this strategy;
 - "fused_transformer" (tests/test_fused_layer_norm.py): one Engine step of a tiny encoder with
-  fused LayerNormalization, MultiHeadAttention and RMSNormalization (`worker_cells`).
+  fused LayerNormalization, MultiHeadAttention and RMSNormalization (`worker_cells`);
+- "fused_norm" (tests/test_fused_norm.py): one Engine step of a tiny conv model with fused
+  BatchNormalization, both workers reading the same rows (`worker_cells`).
 The strategy comes from `get_strategy("auto", one_replica_per_worker=True)`: on CPU the same
 MultiWorkerMirroredStrategy as a user's script gets under the launcher (one CPU replica per
 worker), whose workers' CPUs are split in 2 logical devices for the pipeline's stages.
@@ -38,6 +41,7 @@ import pipeline_2d_worker  # noqa: E402
 import rounding  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import test_fused_layer_norm  # noqa: E402
+import test_fused_norm  # noqa: E402
 
 from tfmp import models, precision  # noqa: E402
 from tfmp.classification import data  # noqa: E402
@@ -69,6 +73,7 @@ def main():
     mwms_detect_worker.detection_cells(strategy)
     fit_worker.run(strategy)
     test_fused_layer_norm.worker_cells(strategy, os.environ["FIT_WORKER_OUT"])
+    test_fused_norm.worker_cells(strategy, os.environ["FIT_WORKER_OUT"])
     fit_worker.conformance_rows(strategy)
 
 

@@ -19,11 +19,19 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from fused_scaffolding import (  # noqa: E402
+    LOAD_WITHOUT_TFMP,
+    assert_close,
+    forward_backward,
+    layer_pair,
+    relative_tolerance,
+    replica_batches,
+    sgd_losses,
+)
 from rounding import assert_replicas_step_like_one_device  # noqa: E402
-from test_fused_norm import LOAD_WITHOUT_TFMP, _assert_close, _relative_tolerance  # noqa: E402
 
 from tfmp.detection import retinanet  # noqa: E402
-from tfmp.precision.fused_norm import fuse_normalization, is_fused, status  # noqa: E402
+from tfmp.precision.fused_norm import fuse_normalization, status  # noqa: E402
 from tfmp.training.engine import Engine  # noqa: E402
 
 POLICIES = ["float32", "mixed_float16", "mixed_bfloat16"]
@@ -39,32 +47,12 @@ IMAGE, CLASSES, BATCH, STEPS = (8, 8, 3), 4, 4, 3
 
 
 def _layer_pair(policy, groups, shape, config):
-    """A fused GroupNormalization and a Keras copy with the same random weights."""
-    rng = np.random.default_rng(0)
-    layers = [keras.layers.GroupNormalization(groups, dtype=policy, **config) for _ in range(2)]
-    for layer in layers:
-        layer.build(shape)
-    weights = [
-        rng.uniform(0.5, 2, w.shape) if "gamma" in w.name else rng.normal(0, 1, w.shape)
-        for w in layers[0].weights
-    ]
-    for layer in layers:
-        layer.set_weights(weights)
-    result = fuse_normalization(keras.Sequential([keras.Input(shape[1:]), layers[0]], name="pair"))
-    assert result.fused == ("pair/" + layers[0].name,) and not is_fused(layers[1])
-    return layers
-
-
-def _forward_backward(layer, xla):
-    @tf.function(jit_compile=xla)
-    def run(x, upstream):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x)
-            loss = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
-        return y, tape.gradient(loss, [x, *layer.trainable_weights])
-
-    return run
+    """A fused GroupNormalization and a Keras copy with the same random weights (gamma in 0.5..2)."""
+    return layer_pair(
+        lambda: keras.layers.GroupNormalization(groups, dtype=policy, **config),
+        shape,
+        lambda w, rng: rng.uniform(0.5, 2, w.shape) if "gamma" in w.name else rng.normal(0, 1, w.shape),
+    )
 
 
 @pytest.mark.parametrize("xla", [False, True], ids=["xla-off", "xla-on"])
@@ -79,18 +67,18 @@ def test_layer_matches_keras(policy, variant, xla):
     rng = np.random.default_rng(1)
     x = tf.cast(rng.normal(1.0, 3.0, shape).astype(np.float32), compute)  # what a conv hands it
     upstream = rng.normal(0, 1, shape).astype(np.float32)
-    y, grads = _forward_backward(fused, xla)(x, upstream)
-    y_ref, grads_ref = _forward_backward(reference, xla)(x, upstream)
+    y, grads = forward_backward(fused, xla)(x, upstream)
+    y_ref, grads_ref = forward_backward(reference, xla)(x, upstream)
     assert y.dtype == y_ref.dtype == compute and grads[0].dtype == grads_ref[0].dtype == compute
     terms = int(np.prod(shape[1:])) // fused.groups  # the elements each group statistic sums
-    _assert_close(y, y_ref, compute, terms=terms, what="output")
-    _assert_close(grads[0], grads_ref[0], compute, terms=terms, what="input gradient")
+    assert_close(y, y_ref, compute, terms=terms, what="output")
+    assert_close(grads[0], grads_ref[0], compute, terms=terms, what="input gradient")
     # gamma's and beta's gradients: float32 sums over the examples and positions of terms each
     # at most |upstream| x |normalised input| (<= sqrt(group size)).
     scale = np.abs(upstream).reshape(-1, shape[-1]).sum(0).max() * np.sqrt(terms)
     assert len(grads) == 1 + 2 * bool(config.get("scale", True))
     for mine, theirs, weight in zip(grads[1:], grads_ref[1:], fused.trainable_weights):
-        _assert_close(mine, theirs, "float32", terms=shape[0] * terms, scale=scale, what=weight.name)
+        assert_close(mine, theirs, "float32", terms=shape[0] * terms, scale=scale, what=weight.name)
 
 
 def tiny_gn_model(policy="float32", seed=1) -> keras.Model:
@@ -111,18 +99,7 @@ def _train(model, xla=False):
     rng = np.random.default_rng(2)
     images = rng.normal(0.5, 1.0, (STEPS, BATCH, *IMAGE)).astype(np.float32)
     labels = rng.integers(0, CLASSES, (STEPS, BATCH)).astype(np.int32)
-    optimizer = keras.optimizers.SGD(0.1)
-    optimizer.build(model.trainable_weights)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function(jit_compile=xla)
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        optimizer.apply(tape.gradient(loss, model.trainable_weights), model.trainable_weights)
-        return loss
-
-    return [float(step(images[i], labels[i])) for i in range(STEPS)]
+    return sgd_losses(model, list(zip(images, labels)), xla)
 
 
 @pytest.mark.parametrize("xla", [False, True], ids=["xla-off", "xla-on"])
@@ -138,10 +115,10 @@ def test_conv_model_trains_like_keras(policy, xla):
     compute = keras.mixed_precision.Policy(policy).compute_dtype
     terms = BATCH * IMAGE[0] * IMAGE[1] * 2  # a group statistic's or a weight gradient's terms, at most
     tolerance = dict(dtype=compute, terms=STEPS * terms, roundings=STEPS * 2 * 2)
-    np.testing.assert_allclose(losses, reference_losses, rtol=_relative_tolerance(**tolerance))
+    np.testing.assert_allclose(losses, reference_losses, rtol=relative_tolerance(**tolerance))
     for before, mine, theirs in zip(start, fused.weights, reference.weights):
         update = theirs.numpy() - before
-        _assert_close(mine.numpy() - before, update, **tolerance, what=mine.path)
+        assert_close(mine.numpy() - before, update, **tolerance, what=mine.path)
         assert np.abs(update).max() > 0, f"{mine.path} did not change"
 
 
@@ -162,13 +139,7 @@ def test_mirrored_replicas_step_like_one_device(mirrored, xla):
         return Engine(strategy, model, xla=xla)
 
     def batches(strategy):
-        def dataset_fn(context):
-            dataset = tf.data.Dataset.from_tensor_slices((images, labels))
-            return dataset.shard(context.num_input_pipelines, context.input_pipeline_id).batch(
-                context.get_per_replica_batch_size(2 * BATCH)
-            )
-
-        return iter(strategy.distribute_datasets_from_function(dataset_fn))
+        return replica_batches(strategy, (images, labels), 2 * BATCH)
 
     # A weight gradient sums the global batch's positions x 2 channels per group.
     assert_replicas_step_like_one_device(build_engine, batches, mirrored, 2 * BATCH * IMAGE[0] * IMAGE[1] * 2)
@@ -189,7 +160,7 @@ def test_retinanet_tiny_fuses_every_group_norm_and_predicts_like_keras():
     outputs, expected = model(images, training=True), reference(images, training=True)
     for key in ("classes", "boxes"):
         # Each of the ~12 layers between input and output may round once differently.
-        _assert_close(outputs[key], expected[key], "float32", terms=12 * 64 * 9, what=key)
+        assert_close(outputs[key], expected[key], "float32", terms=12 * 64 * 9, what=key)
 
 
 class _OwnGroupNorm(keras.layers.GroupNormalization):
@@ -238,4 +209,4 @@ def test_saved_fused_model_loads_in_plain_keras(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert loaded["tfmp"] == [] and "GroupNormalization" in loaded["classes"]
-    _assert_close(np.load(paths[2]), predictions, "float32", terms=2 * 72, what="predictions")
+    assert_close(np.load(paths[2]), predictions, "float32", terms=2 * 72, what="predictions")

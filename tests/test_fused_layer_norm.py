@@ -21,12 +21,22 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from fused_scaffolding import (  # noqa: E402
+    LOAD_WITHOUT_TFMP,
+    assert_close,
+    assert_replicas_identical,
+    engine_step,
+    forward_backward,
+    launched_cell,
+    layer_pair,
+    print_worker_cell,
+    relative_tolerance,
+    sgd_losses,
+)
 from rounding import assert_same_update  # noqa: E402
-from test_fused_norm import LOAD_WITHOUT_TFMP, _assert_close, _relative_tolerance  # noqa: E402
 
 from tfmp.precision import layer_norm  # noqa: E402
-from tfmp.precision.fused_norm import fuse_normalization, is_fused, status, unfused  # noqa: E402
-from tfmp.training.engine import Engine  # noqa: E402
+from tfmp.precision.fused_norm import fuse_normalization, status, unfused  # noqa: E402
 
 POLICIES = ["float32", "mixed_float16", "mixed_bfloat16"]
 # (class, input shape, config): the normalised axes are always the trailing ones.
@@ -48,32 +58,12 @@ TOKENS, VOCABULARY, WIDTH, HEADS, CLASSES, BATCH, STEPS = 6, 11, 16, 2, 3, 4, 3
 
 
 def _layer_pair(policy, cls, shape, config):
-    """A fused layer and a Keras copy with the same random weights."""
-    rng = np.random.default_rng(0)
-    layers = [cls(dtype=policy, **config) for _ in range(2)]
-    for layer in layers:
-        layer.build(shape)
-    weights = [
-        rng.uniform(0.5, 2, w.shape) if "beta" not in w.name else rng.normal(0, 1, w.shape)
-        for w in layers[0].weights
-    ]
-    for layer in layers:
-        layer.set_weights(weights)
-    result = fuse_normalization(keras.Sequential([keras.Input(shape[1:]), layers[0]], name="pair"))
-    assert result.fused == ("pair/" + layers[0].name,) and not is_fused(layers[1])
-    return layers
-
-
-def _forward_backward(layer, xla):
-    @tf.function(jit_compile=xla)
-    def run(x, upstream):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x)
-            loss = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
-        return y, tape.gradient(loss, [x, *layer.trainable_weights])
-
-    return run
+    """A fused layer and a Keras copy with the same random weights (scales in 0.5..2)."""
+    return layer_pair(
+        lambda: cls(dtype=policy, **config),
+        shape,
+        lambda w, rng: rng.uniform(0.5, 2, w.shape) if "beta" not in w.name else rng.normal(0, 1, w.shape),
+    )
 
 
 @pytest.mark.parametrize("xla", [False, True], ids=["xla-off", "xla-on"])
@@ -88,12 +78,12 @@ def test_layer_matches_keras(policy, variant, xla):
     rng = np.random.default_rng(1)
     x = tf.cast(rng.normal(1.0, 3.0, shape).astype(np.float32), compute)  # what a dense layer hands it
     upstream = rng.normal(0, 1, shape).astype(np.float32)
-    y, grads = _forward_backward(fused, xla)(x, upstream)
-    y_ref, grads_ref = _forward_backward(reference, xla)(x, upstream)
+    y, grads = forward_backward(fused, xla)(x, upstream)
+    y_ref, grads_ref = forward_backward(reference, xla)(x, upstream)
     assert y.dtype == y_ref.dtype == compute and grads[0].dtype == grads_ref[0].dtype == compute
     features = int(np.prod([shape[axis] for axis in fused.axis]))  # the terms each row statistic sums
-    _assert_close(y, y_ref, compute, terms=features, what="output")
-    _assert_close(grads[0], grads_ref[0], compute, terms=features, what="input gradient")
+    assert_close(y, y_ref, compute, terms=features, what="output")
+    assert_close(grads[0], grads_ref[0], compute, terms=features, what="input gradient")
     # Weight gradients: float32 sums over the rows of terms each at most |upstream| x |normalised
     # input| (<= sqrt(features)); the normalised input rounds once in the compute dtype on Keras' side.
     rows = int(np.prod(shape)) // features
@@ -104,7 +94,7 @@ def test_layer_matches_keras(policy, variant, xla):
         or "no-scale" in variant
     )
     for mine, theirs, weight in zip(grads[1:], grads_ref[1:], fused.trainable_weights):
-        _assert_close(mine, theirs, compute, terms=rows * features, scale=scale, what=weight.name)
+        assert_close(mine, theirs, compute, terms=rows * features, scale=scale, what=weight.name)
 
 
 def test_a_float32_input_in_a_mixed_policy_is_normalised_in_float32():
@@ -215,21 +205,8 @@ def tiny_tokens(examples=BATCH * STEPS, seed=2):
 def _train(model, xla=False):
     """Per-step losses of STEPS plain SGD steps (a tf.function step, XLA on or off)."""
     tokens, labels = tiny_tokens()
-    optimizer = keras.optimizers.SGD(0.1)
-    optimizer.build(model.trainable_weights)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function(jit_compile=xla)
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        optimizer.apply(tape.gradient(loss, model.trainable_weights), model.trainable_weights)
-        return loss
-
-    return [
-        float(step(tokens[i * BATCH : (i + 1) * BATCH], labels[i * BATCH : (i + 1) * BATCH]))
-        for i in range(STEPS)
-    ]
+    rows = [slice(i * BATCH, (i + 1) * BATCH) for i in range(STEPS)]
+    return sgd_losses(model, [(tokens[step], labels[step]) for step in rows], xla)
 
 
 def _comparable(weights) -> list:
@@ -257,39 +234,28 @@ def test_encoder_trains_like_keras(policy, xla):
     losses, reference_losses = _train(fused, xla), _train(reference, xla)
     compute = keras.mixed_precision.Policy(policy).compute_dtype
     tolerance = dict(dtype=compute, terms=STEPS * ENCODER_TERMS, roundings=STEPS * ENCODER_ROUNDINGS)
-    np.testing.assert_allclose(losses, reference_losses, rtol=_relative_tolerance(**tolerance))
+    np.testing.assert_allclose(losses, reference_losses, rtol=relative_tolerance(**tolerance))
     paths = {weight.path for weight in _comparable(fused.weights)}
     comparable = [index for index, weight in enumerate(fused.weights) if weight.path in paths]
     for index in comparable:
         before, mine, theirs = start[index], fused.weights[index], reference.weights[index]
         update = theirs.numpy() - before
-        _assert_close(mine.numpy() - before, update, **tolerance, what=mine.path)
+        assert_close(mine.numpy() - before, update, **tolerance, what=mine.path)
         assert np.abs(update).max() > 0, f"{mine.path} did not change"
 
 
 def _engine_step(strategy, fused, xla=False):
-    """(weights before, weights after) one Engine step of the tiny encoder on `strategy`, each
-    replica its shard of the same global batch."""
-    with strategy.scope():
+    """(comparable weights before, the model) around one Engine step of the tiny encoder on
+    `strategy`, each replica its shard of the same global batch."""
+
+    def build():
         model = tiny_encoder()
         if fused:
             assert fuse_normalization(model).fused == FUSED
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    engine = Engine(strategy, model, xla=xla)
-    tokens, labels = tiny_tokens(2 * BATCH)
+        return model
 
-    def dataset_fn(context):
-        dataset = tf.data.Dataset.from_tensor_slices((tokens, labels))
-        return dataset.shard(context.num_input_pipelines, context.input_pipeline_id).batch(
-            context.get_per_replica_batch_size(2 * BATCH)
-        )
-
-    before = [w.numpy() for w in _comparable(model.trainable_weights)]
-    engine.train(iter(strategy.distribute_datasets_from_function(dataset_fn)), 1)
-    return before, model
+    watched = lambda model: _comparable(model.trainable_weights)  # noqa: E731
+    return engine_step(strategy, build, tiny_tokens(2 * BATCH), 2 * BATCH, xla=xla, watched=watched)
 
 
 @pytest.fixture(scope="module")
@@ -308,9 +274,7 @@ def test_mirrored_replicas_identical_and_like_one_device(mirrored, one_device_ke
     """The fused encoder on 2 in-process replicas: every replica's copy of every variable
     identical, and each weight moved as Keras' layers move it on one device."""
     _, model = _engine_step(mirrored, fused=True, xla=xla)
-    for weight in model.weights:
-        copies = [v.numpy() for v in weight.value.values]
-        np.testing.assert_array_equal(copies[0], copies[1], err_msg=weight.path)
+    assert_replicas_identical(model)
     before, reference = one_device_keras
     assert_same_update(
         before, reference, [w.numpy() for w in _comparable(model.trainable_weights)], SUMMED_TERMS
@@ -321,28 +285,18 @@ def worker_cells(strategy, out_dir):
     """The launched group's cell (tests/mwms_worker.py): one fused Engine step of the tiny encoder
     on this strategy, its weights to `out_dir`/fused_transformer-<task>.npz and one JSON line."""
     _, model = _engine_step(strategy, fused=True)
-    task = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0
     weights = [w.numpy() for w in _comparable(model.trainable_weights)]
-    np.savez(os.path.join(out_dir, f"fused_transformer-{task}.npz"), *weights)
-    record = {"kind": "fused_transformer", "task": task, "replicas": strategy.num_replicas_in_sync}
-    print(json.dumps({**record, "fused": list(status(model).fused)}), flush=True)
+    print_worker_cell(strategy, "fused_transformer", out_dir, weights, fused=list(status(model).fused))
 
 
 @pytest.mark.slow
 def test_two_workers_identical_and_like_one_device(launched_workers, one_device_keras):
     """The shared launched group's 2 workers (one replica each, each its shard of the batch) end
     the fused encoder's step with identical weights, Keras' one-device step's within rounding."""
-    assert launched_workers.returncode == 0, launched_workers.tail
-    records = launched_workers.records["fused_transformer"]
-    assert sorted(records) == [0, 1]
-    for (record,) in records.values():
-        assert record["replicas"] == 2 and tuple(record["fused"]) == FUSED, record
-    saved = [np.load(launched_workers.out / f"fused_transformer-{task}.npz") for task in (0, 1)]
-    weights = [[worker[f"arr_{index}"] for index in range(len(worker.files))] for worker in saved]
-    for mine, theirs in zip(*weights):
-        np.testing.assert_array_equal(mine, theirs)
+    records, weights = launched_cell(launched_workers, "fused_transformer")
+    assert all(tuple(record["fused"]) == FUSED for record in records), records
     before, reference = one_device_keras
-    assert_same_update(before, reference, weights[0], SUMMED_TERMS)
+    assert_same_update(before, reference, weights, SUMMED_TERMS)
 
 
 def test_saved_fused_encoder_loads_in_plain_keras(tmp_path):
@@ -372,7 +326,7 @@ def test_saved_fused_encoder_loads_in_plain_keras(tmp_path):
         loaded["classes"]
     )
     # Each of the 4 fused layers' outputs may round once differently on each side.
-    _assert_close(np.load(paths[2]), predictions, "bfloat16", terms=ENCODER_TERMS, roundings=2 * 4)
+    assert_close(np.load(paths[2]), predictions, "bfloat16", terms=ENCODER_TERMS, roundings=2 * 4)
 
 
 def test_small_inputs_skip_xla_and_large_ones_compile():

@@ -1,11 +1,11 @@
 """fuse_normalization: BatchNormalization on TensorFlow's fused kernel computes Keras' numbers.
 
     .venv/bin/python -m pytest tests/test_fused_norm.py -q -n 0
-    python -m tfmp.launch --workers=2 -- python tests/test_fused_norm.py   (the launched test's workers)
 
 Every check compares a fused layer or model with a fresh Keras copy holding identical weights:
 outputs within 2 epsilons of the compute dtype (each side rounds once) plus float32 epsilon x the
-summed terms (sums in another order), times the values' scale, as tests/rounding.py does.
+summed terms (sums in another order), times the values' scale (tests/fused_scaffolding.py). The
+2-worker cell runs in the shared launched group (tests/mwms_worker.py calls `worker_cells`).
 """
 
 import json
@@ -20,20 +20,28 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from fused_scaffolding import (  # noqa: E402
+    LOAD_WITHOUT_TFMP,
+    assert_close,
+    assert_replicas_identical,
+    engine_step,
+    launched_cell,
+    layer_pair,
+    print_worker_cell,
+    relative_tolerance,
+)
 
 import tfmp  # noqa: E402
 from tfmp.classification.task import TASK  # noqa: E402
 from tfmp.errors import UsageError  # noqa: E402
 from tfmp.precision.fused_norm import fuse_normalization, is_fused, unfused  # noqa: E402
 from tfmp.training.config import TrainConfig  # noqa: E402
-from tfmp.training.engine import Engine  # noqa: E402
 from tfmp.training.plan import make_plan  # noqa: E402
 from tfmp.training.run import build_model, train_and_evaluate  # noqa: E402
 
 POLICIES = ["float32", "mixed_float16", "mixed_bfloat16"]
 SHAPE = (4, 6, 6, 8)  # NHWC
 TERMS = 4 * 6 * 6  # elements per channel that each batch statistic sums
-EPS32 = float(np.finfo(np.float32).eps)
 VARIANTS = {
     "defaults": {},
     "nchw-no-center": {"axis": 1, "center": False, "momentum": 0.9, "epsilon": 1e-5},
@@ -45,40 +53,19 @@ GLOBAL_BATCH, STEPS = 2 * ROWS, 3
 STATISTIC_TERMS = GLOBAL_BATCH * IMAGE[0] * IMAGE[1]  # a whole-model batch statistic's terms
 
 
-def _eps(dtype) -> float:
-    return float(np.finfo(tf.as_dtype(dtype).as_numpy_dtype).eps)
-
-
-def _relative_tolerance(dtype, terms=TERMS, roundings=2) -> float:
-    """`roundings` epsilons of `dtype` (each side rounds each value once) + float32 epsilon x
-    `terms` (float32 sums of that many terms, in another order)."""
-    return roundings * _eps(dtype) + terms * EPS32
-
-
-def _assert_close(actual, desired, dtype, terms=TERMS, roundings=2, scale=None, what=""):
-    """Within `_relative_tolerance` x the values' scale (by default the largest |desired|)."""
-    desired = np.asarray(desired, np.float64)
-    scale = np.abs(desired).max() if scale is None else scale
-    tolerance = _relative_tolerance(dtype, terms, roundings) * scale
-    np.testing.assert_allclose(np.asarray(actual, np.float64), desired, rtol=0, atol=tolerance, err_msg=what)
+_assert_close = assert_close  # tests/test_fused_attention.py imports it from here
 
 
 def _layer_pair(policy, config):
-    """A fused BatchNormalization and a Keras copy with the same random weights."""
-    rng = np.random.default_rng(0)
+    """A fused BatchNormalization and a Keras copy with the same random weights (gamma and the
+    moving variance in 0.5..2), and the input shape (NCHW for axis 1)."""
     shape = (SHAPE[0], SHAPE[3], *SHAPE[1:3]) if config.get("axis") == 1 else SHAPE
-    layers = [keras.layers.BatchNormalization(dtype=policy, **config) for _ in range(2)]
-    for layer in layers:
-        layer.build(shape)
     positive = ("gamma", "moving_variance")
-    weights = [
-        rng.uniform(0.5, 2, w.shape) if w.name in positive else rng.normal(0, 1, w.shape)
-        for w in layers[0].weights
-    ]
-    for layer in layers:
-        layer.set_weights(weights)
-    result = fuse_normalization(keras.Sequential([keras.Input(shape[1:]), layers[0]], name="pair"))
-    assert len(result.fused) == 1 and not is_fused(layers[1])
+    layers = layer_pair(
+        lambda: keras.layers.BatchNormalization(dtype=policy, **config),
+        shape,
+        lambda w, rng: rng.uniform(0.5, 2, w.shape) if w.name in positive else rng.normal(0, 1, w.shape),
+    )
     return layers, shape
 
 
@@ -109,7 +96,7 @@ def test_layer_matches_keras(policy, variant):
         reference(x, training=True)
     for mine, theirs in zip(fused.non_trainable_weights, reference.non_trainable_weights):
         # float32 statistics of the same half-precision inputs: float32 rounding only.
-        _assert_close(mine.numpy(), theirs.numpy(), "float32", what=mine.name)
+        assert_close(mine.numpy(), theirs.numpy(), "float32", TERMS, what=mine.name)
     if config.get("trainable") is False:  # frozen: Keras never updates the statistics
         for start, weight in zip(before, fused.non_trainable_weights):
             np.testing.assert_array_equal(weight.numpy(), start)
@@ -119,11 +106,13 @@ def test_layer_matches_keras(policy, variant):
         y, grads = _forward_backward(fused, x, upstream, training)
         y_ref, grads_ref = _forward_backward(reference, x, upstream, training)
         assert y.dtype == y_ref.dtype == compute
-        _assert_close(y, y_ref, compute, what=f"output, training={training}")
-        _assert_close(grads[0], grads_ref[0], compute, what=f"input gradient, training={training}")
+        assert_close(y, y_ref, compute, TERMS, what=f"output, training={training}")
+        assert_close(grads[0], grads_ref[0], compute, TERMS, what=f"input gradient, training={training}")
         scale = _sum_scale(x, upstream, reference)
         for mine, theirs, weight in zip(grads[1:], grads_ref[1:], fused.trainable_weights):
-            _assert_close(mine, theirs, "float32", scale=scale, what=f"{weight.name}, training={training}")
+            assert_close(
+                mine, theirs, "float32", TERMS, scale=scale, what=f"{weight.name}, training={training}"
+            )
 
 
 def _sum_scale(x, upstream, layer):
@@ -192,10 +181,10 @@ def test_conv_model_trains_like_keras(policy):
     # Per step, each BatchNorm output may round once differently on each side, and each batch
     # statistic sums GLOBAL_BATCH x 6 x 6 terms in another order.
     tolerance = dict(dtype=compute, terms=STEPS * STATISTIC_TERMS, roundings=STEPS * 2 * 2)
-    np.testing.assert_allclose(losses, reference_losses, rtol=_relative_tolerance(**tolerance))
+    np.testing.assert_allclose(losses, reference_losses, rtol=relative_tolerance(**tolerance))
     for before, mine, theirs in zip(start, fused.weights, reference.weights):
         update = theirs.numpy() - before
-        _assert_close(mine.numpy() - before, update, **tolerance, what=mine.path)
+        assert_close(mine.numpy() - before, update, **tolerance, what=mine.path)
         assert np.abs(update).max() > 0, f"{mine.path} did not change"
 
     graph = tf.function(_step_graph).get_concrete_function(fused, tf.TensorSpec((2, *IMAGE))).graph
@@ -212,25 +201,18 @@ def _step_graph(model, images):
 
 
 def trained_once(strategy, fused, xla=False, start=None):
-    """(weights before, the model) after one Engine step of the tiny model on `strategy`."""
-    with strategy.scope():
+    """(weights before, the model) after one Engine step of the tiny model on `strategy`, every
+    input pipeline (worker) reading the same rows: each replica gets the same ROWS (tiny_data)."""
+
+    def build():
         model = tiny_conv_model()
         if start is not None:
             model.set_weights(start)
         if fused:
             assert len(fuse_normalization(model).fused) == 2
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
-    engine = Engine(strategy, model, xla=xla)
-    images, labels = tiny_data()
+        return model
 
-    def dataset_fn(context):
-        dataset = tf.data.Dataset.from_tensor_slices((images, labels))
-        return dataset.batch(context.get_per_replica_batch_size(GLOBAL_BATCH))
-
-    before = [w.numpy() for w in model.weights]
-    engine.train(iter(strategy.distribute_datasets_from_function(dataset_fn)), 1)
-    return before, model
+    return engine_step(strategy, build, tiny_data(), GLOBAL_BATCH, shard=False, xla=xla)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +229,7 @@ def assert_like_one_device(one_device, after, what=""):
     for index, (start, theirs, mine) in enumerate(zip(before, reference, after)):
         update = theirs - start
         assert np.abs(update).max() > 0, f"weight {index} did not change"
-        _assert_close(mine - start, update, "float32", terms=STATISTIC_TERMS, what=f"{what} weight {index}")
+        assert_close(mine - start, update, "float32", terms=STATISTIC_TERMS, what=f"{what} weight {index}")
 
 
 @pytest.mark.parametrize("xla", [False, True], ids=["xla-off", "xla-on"])
@@ -255,62 +237,29 @@ def test_mirrored_replicas_identical_and_like_one_device(mirrored, one_device, x
     """2 in-process replicas, each with the same rows: every replica's copy of every variable
     identical, and equal to Keras' BatchNorm on one device within rounding."""
     _, model = trained_once(mirrored, fused=True, xla=xla, start=one_device[0])
-    for weight in model.weights:
-        copies = [v.numpy() for v in weight.value.values]
-        assert len(copies) == 2
-        np.testing.assert_array_equal(copies[0], copies[1], err_msg=weight.path)
+    assert_replicas_identical(model)
     assert_like_one_device(one_device, [w.numpy() for w in model.weights], f"xla={xla}")
 
 
-@pytest.mark.slow
-def test_two_workers_identical_and_like_one_device(one_device, tmp_path):
-    """This file as the script of a 2-worker MultiWorkerMirroredStrategy group (one replica
-    each, the same rows): both workers end with identical variables, Keras' one-device step's."""
-    from conftest import peer_errors_once_formed, run_python
-
-    result = run_python(
-        ["-m", "tfmp.launch", "--workers=2", "--", sys.executable, os.path.abspath(__file__)],
-        env={"FUSED_NORM_OUT": str(tmp_path)},
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = [line.split("] ", 1)[1] for line in result.stdout.splitlines() if '"fused_norm"' in line]
-    records = [json.loads(line) for line in lines]
-    assert sorted(record["task"] for record in records) == [0, 1]
-    assert all(record["replicas"] == 2 and record["multi_worker"] for record in records), records
-    saved = [np.load(tmp_path / f"weights-{task}.npz") for task in (0, 1)]
-    weights = [[worker[f"arr_{index}"] for index in range(len(worker.files))] for worker in saved]
-    for mine, theirs in zip(*weights):
-        np.testing.assert_array_equal(mine, theirs)
-    assert_like_one_device(one_device, weights[0], "worker 0")
-    assert not peer_errors_once_formed(result.stdout, ['"fused_norm"'])
-
-
-def worker_main():
-    """A launched worker: one fused Engine step on get_strategy("auto"), weights to
-    $FUSED_NORM_OUT/weights-<task>.npz and one JSON line."""
-    from tfmp.distribute import strategies as distribute
-
-    strategy = distribute.get_strategy("auto")
+def worker_cells(strategy, out_dir):
+    """The launched group's cell (tests/mwms_worker.py): one fused Engine step of the tiny model
+    on this strategy, every variable to `out_dir`/fused_norm-<task>.npz and one JSON line."""
     before, model = trained_once(strategy, fused=True)
     # Keras' seeded initialisation, the same on every worker and in the one-device reference.
     assert all(np.array_equal(a, b) for a, b in zip(before, [w.numpy() for w in tiny_conv_model().weights]))
-    task = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0
-    out = os.path.join(os.environ["FUSED_NORM_OUT"], f"weights-{task}.npz")
-    np.savez(out, *[w.numpy() for w in model.weights])
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-    record = {"kind": "fused_norm", "task": task, "replicas": strategy.num_replicas_in_sync}
-    print(json.dumps({**record, "multi_worker": multi_worker}), flush=True)
+    print_worker_cell(
+        strategy, "fused_norm", out_dir, [w.numpy() for w in model.weights], multi_worker=multi_worker
+    )
 
 
-LOAD_WITHOUT_TFMP = """
-import json, sys
-import keras, numpy
-model = keras.saving.load_model(sys.argv[1])
-numpy.save(sys.argv[3], numpy.asarray(model(numpy.load(sys.argv[2]), training=False), "float32"))
-print(json.dumps({"tfmp": sorted(m for m in sys.modules if m.split(".")[0] == "tfmp"),
-                  "classes": sorted({type(layer).__name__ for layer in model.layers})}))
-"""
+@pytest.mark.slow
+def test_two_workers_identical_and_like_one_device(launched_workers, one_device):
+    """The shared launched group's 2 workers (MultiWorkerMirroredStrategy, one replica each, the
+    same rows): both end the fused step with identical variables, Keras' one-device step's."""
+    records, weights = launched_cell(launched_workers, "fused_norm")
+    assert all(record["multi_worker"] for record in records), records
+    assert_like_one_device(one_device, weights, "worker 0")
 
 
 def test_saved_fused_model_loads_in_plain_keras(tmp_path):
@@ -444,7 +393,3 @@ def test_fit_tells_once_what_fusing_would_change(tmp_path, caplog):
     fuse_normalization(model)
     tfmp.fit(model, dataset, epochs=1, model_dir=str(tmp_path / "fused"), verbose=0)
     assert "normalization" not in json.load(open(tmp_path / "fused" / "run_card.json"))
-
-
-if __name__ == "__main__":
-    worker_main()
