@@ -271,3 +271,35 @@ def test_saved_fused_model_loads_without_tfmp(name, tmp_path):
     assert json.loads(result.stdout.strip().splitlines()[-1])["tfmp"] == []
     bound = _tolerance("mixed_bfloat16", fused) * np.abs(predictions).max()
     np.testing.assert_allclose(np.load(paths[2]), predictions, rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize("policy", [pytest.param("float32", marks=pytest.mark.slow), "mixed_bfloat16"])
+def test_cached_decoding_through_the_fused_core_equals_keras(policy):
+    """A TransformerDecoder decoding token by token with its key/value cache (keras-hub's
+    generation path: CachedMultiHeadAttention's cached keys and values go through the replaced
+    _compute_attention) gives Keras' outputs within the dtype's rounding per fused layer."""
+    keras.utils.set_random_seed(0)
+    decoder = keras_hub.layers.TransformerDecoder(2 * WIDTH, HEADS, dropout=0.0, dtype=policy, name="decoder")
+    sequence = tf.random.normal((2, TOKENS // 2, WIDTH))
+    model = keras.Sequential([keras.Input(sequence.shape[1:]), decoder], name="model")
+
+    def decode():
+        cache, outputs = tf.zeros((2, 2, TOKENS // 2, HEADS, WIDTH // HEADS)), []
+        for index in range(TOKENS // 2):
+            output, cache = decoder(
+                sequence[:, index : index + 1],
+                self_attention_cache=cache,
+                self_attention_cache_update_index=index,
+            )
+            outputs.append(np.asarray(output, np.float64))
+        return np.concatenate(outputs, axis=1)
+
+    reference = decode()
+    fused = fuse_normalization(model).fused
+    assert fused == (
+        "model/decoder/self_attention",
+        "model/decoder/self_attention_layer_norm",
+        "model/decoder/feedforward_layer_norm",
+    )
+    bound = _tolerance(policy, len(fused)) * np.abs(reference).max()
+    np.testing.assert_allclose(decode(), reference, rtol=0, atol=bound)
