@@ -14,9 +14,9 @@ memory and with Adam (1e-3) to measure accuracy:
   4 heads, MLP 512; 65 tokens) on the built-in `shapes` data at 32x32 (`apps.bench
   --models=hub_vit` measures the same model's Engine step);
 * `hub_bert`: BertBackbone, 4 layers, width 128, 4 heads, intermediate 512 (4x), 64 tokens,
-  keras-hub's default dropout 0.1 (its attention then stays on Keras' explicit path, already
-  half precision: `fuse_normalization` leaves it alone and says so), vocabulary `vocabulary`
-  (default 1,000); its pooled [CLS] output -> the head. Data: a synthetic token task drawn once
+  `dropout` (default keras-hub's 0.1: its attention then stays on Keras' explicit path, already
+  half precision, and `fuse_normalization` leaves it alone and says so; 0: fused too),
+  vocabulary `vocabulary` (default 1,000); its pooled [CLS] output -> the head. Data: a synthetic token task drawn once
   from seed 0: token 0 is [CLS], each sequence holds one of 4 marker tokens (1-4) at a random
   position among random filler tokens (5 and up), the last 0-15 positions are padding
   (padding_mask 0); the label is the marker's class. Bag-of-words learnable, through attention.
@@ -61,17 +61,21 @@ DEFAULTS = {
     "fused": [False, True],
     "batches": [64],
     "vocabulary": 1000,
+    "dropout": 0.1,
     "warmup": 2,
     "steps": 2,
     "train_steps": 300,
 }
 
 
-def hub_bert(num_classes: int, vocabulary: int, dtype=None, name: str = "hub_bert") -> keras.Model:
+def hub_bert(
+    num_classes: int, vocabulary: int, dropout: float, dtype=None, name: str = "hub_bert"
+) -> keras.Model:
     """keras-hub's BertBackbone (HUB_BERT, TOKENS) -> pooled [CLS] output -> float32 softmax."""
     backbone = keras_models.keras_hub_module().models.BertBackbone(
         vocabulary_size=vocabulary,
         max_sequence_length=TOKENS,
+        dropout=dropout,
         dtype=dtype,
         name=f"{name}_backbone",
         **HUB_BERT,
@@ -122,7 +126,7 @@ def _build(cell: dict):
             (32, 32, 3), data.describe("shapes", image_size=32).num_classes, cell["precision"]
         )
     else:
-        model = hub_bert(MARKERS, cell["vocabulary"], cell["precision"])
+        model = hub_bert(MARKERS, cell["vocabulary"], cell.get("dropout", 0.1), cell["precision"])
     report = fuse_normalization(model) if cell["fused"] else None
     # Memory: the bench's SGD with momentum (one slot). Accuracy: Adam (1e-3), as transformers are
     # trained; with SGD (0.01) the BERT task stayed at chance (0.245) after 150 steps.
@@ -175,7 +179,9 @@ def measure(cell: dict) -> dict:
 
 
 def _cells(settings: dict) -> list[dict]:
-    shared = {key: settings[key] for key in ("mode", "vocabulary", "warmup", "steps", "train_steps")}
+    shared = {
+        key: settings[key] for key in ("mode", "vocabulary", "dropout", "warmup", "steps", "train_steps")
+    }
     return [
         {**shared, "model": model, "precision": precision, "fused": fused, "batch": batch}
         for model in settings["models"]
