@@ -28,7 +28,7 @@ optimizer slots and what one step holds at once. `TF_CPU_ALLOCATOR_USE_BFC=true`
 `tfmp.bench.runner` does) keeps that statistic on CPU. The data (a few batches) are in memory
 before the reset. Accuracy ("mode": "accuracy"): `train_steps` steps at `batch`, then the
 accuracy on the held-out split (`shapes`' eval split; for BERT 1,024 sequences drawn from seed 1);
-the training set is EPOCH_BATCHES batches (shapes' first ones; BERT's drawn from seed 0) seen in
+the training set is at most EPOCH_BATCHES batches (shapes' first ones; BERT's drawn from seed 0) seen in
 turn, shuffled each epoch by tfmp.fit's seed 0.
 """
 
@@ -161,8 +161,9 @@ def measure(cell: dict) -> dict:
     model, report = _build(cell)
     if cell["mode"] == "memory":  # one epoch of warmup + steps batches
         epochs, batches, callbacks = 1, cell["warmup"] + cell["steps"], [_LivePeak(cell["warmup"])]
-    else:  # train_steps steps over epochs of EPOCH_BATCHES batches
-        epochs, batches, callbacks = -(-cell["train_steps"] // EPOCH_BATCHES), EPOCH_BATCHES, []
+    else:  # train_steps steps (rounded up to whole epochs) over epochs of at most EPOCH_BATCHES batches
+        batches = min(EPOCH_BATCHES, cell["train_steps"])
+        epochs, callbacks = -(-cell["train_steps"] // batches), []
     x, y = _train_data(cell, cell["batch"] * batches)
     history = fitting.fit(
         model, x, y, batch_size=cell["batch"], epochs=epochs, callbacks=callbacks, verbose=0
