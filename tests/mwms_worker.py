@@ -7,6 +7,7 @@ Prints one JSON line per check, each with a "kind", for the tests to compare acr
 - "classify" (tests/test_matrix.py): LeNet on the built-in digits for a few steps under every
   precision, with and without XLA, through the same Engine the apps use: loss, eval over the
   whole split against this worker's own count, and a digest of every model and optimizer variable;
+  its weights are also the data-parallel reference of tests/test_pipeline_2d.py (`dp_*.npz`);
 - "pipeline_2d*" (tests/test_pipeline_2d.py): the same LeNet cells as a 2-stage pipeline on each
   worker's 2 logical CPUs (tests/pipeline_2d_worker.py);
 - "overflow" and "overflow_float16_sum": one float16 step with inf images on worker 1 only, and
@@ -79,11 +80,7 @@ def main():
 
 def classification_cells(strategy):
     topology = distribute.describe(strategy)
-    train = strategy.distribute_datasets_from_function(
-        lambda context: data.load(
-            "digits", "train", GLOBAL_BATCH, image_size=IMAGE_SIZE, input_context=context
-        )[0]
-    )
+    assert GLOBAL_BATCH == pipeline_2d_worker.GLOBAL_BATCH  # the 2-D cells' batches
     evaluation = strategy.distribute_datasets_from_function(
         lambda context: data.load(
             "digits", "eval", GLOBAL_BATCH, image_size=IMAGE_SIZE, input_context=context, training=False
@@ -105,7 +102,11 @@ def classification_cells(strategy):
                 optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), policy, "auto")
             compile_classifier(model, optimizer, strategy)
             engine = Engine(strategy, model, optimizer, xla=xla)
-            trained = engine.train(iter(train), STEPS)
+            # A new dataset for each cell (its first batches are the 2-D cells' and the 1-worker
+            # pipeline's), so these weights are the unsplit data-parallel run test_pipeline_2d
+            # compares the 2 x 2 layout with: one training serves both tests.
+            trained = engine.train(pipeline_2d_worker.batches(strategy, IMAGE_SIZE), STEPS)
+            pipeline_2d_worker.save(f"dp_{policy}_{xla}", strategy, model)
             evaluated = engine.evaluate(evaluation)
             weights = _weights(model)
             print(

@@ -2,9 +2,10 @@
 pipeline on each of the 2 workers (its 2 logical CPUs), gradients all-reduced across workers.
 
 Run by `mwms_worker.main` on its strategy (MultiWorkerMirroredStrategy, one replica per worker).
-Each cell also trains the unsplit LeNet data-parallel (in the strategy's scope) on the same
-batches, seed and optimizer, so tests/test_pipeline_2d.py can compare the layouts' weights
-(saved as `<FIT_WORKER_OUT>/pipeline_2d_<policy>_<xla>_<worker>.npz` and `dp_..._<worker>.npz`).
+The unsplit LeNet trained data-parallel (in the strategy's scope) on the same batches, seed and
+optimizer is mwms_worker's "classify" cell of the same precision and XLA setting, so
+tests/test_pipeline_2d.py can compare the layouts' weights (saved as
+`<FIT_WORKER_OUT>/pipeline_2d_<policy>_<xla>_<worker>.npz` here and `dp_..._<worker>.npz` there).
 Each engine reads a new distributed dataset: the training stream reshuffles on every `iter` of
 the same dataset, and a new one starts with the same first batches as tests' 1-worker run.
 Prints one JSON line per check:
@@ -29,6 +30,7 @@ from tfmp.pipeline import plan as pipeline
 from tfmp.training.engine import Engine
 
 MICRO_BATCHES = 2
+GLOBAL_BATCH = 32
 
 
 def worker_index(strategy) -> int:
@@ -89,26 +91,16 @@ def batches(strategy, image_size: int):
     """A new iterator over the digits training stream in per-worker batches of a global 32."""
     return iter(
         strategy.distribute_datasets_from_function(
-            lambda context: data.load("digits", "train", 32, image_size=image_size, input_context=context)[0]
+            lambda context: data.load(
+                "digits", "train", GLOBAL_BATCH, image_size=image_size, input_context=context
+            )[0]
         )
     )
-
-
-def data_parallel(strategy, policy: str, xla: bool, image_size: int, steps: int) -> None:
-    """The unsplit LeNet in the strategy's scope (mirrored variables), as test_matrix's cells."""
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = models.build("lenet", (image_size, image_size, 1), 10, dtype=policy)
-        optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), policy, "auto")
-    compile_classifier(model, optimizer, strategy)
-    Engine(strategy, model, optimizer, xla=xla).train(batches(strategy, image_size), steps)
-    save(f"dp_{policy}_{xla}", strategy, model)
 
 
 def cells(strategy, image_size: int, steps: int) -> None:
     for policy in precision.POLICIES:
         for xla in (False, True):
-            data_parallel(strategy, policy, xla, image_size, steps)
             optimizer = precision.wrap_optimizer(keras.optimizers.SGD(0.05), policy, "auto")
             model, plan, engine = build_2d(strategy, policy, image_size, optimizer, xla)
             result = engine.train(batches(strategy, image_size), steps)
