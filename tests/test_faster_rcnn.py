@@ -287,17 +287,39 @@ def test_compiled_forward_is_the_model_split_at_its_static_parts():
 
 # ----------------------------------------------------------------------------- apps.detect
 @pytest.mark.slow
-def test_app_trains_faster_rcnn_mixed_then_predicts_float32_boxes_drawn_to_png(tmp_path):
+def test_multi_worker_cells_train_every_precision_and_xla_identically(launched_workers):
+    """2 workers (conftest's shared launched group, tests/mwms_detect_worker.py) x every
+    precision x XLA off/on, one step each: every model and optimizer variable ends identical on
+    both workers, and with XLA the static-shaped parts are the compiled ones."""
+    cells = identical_detection_cells(launched_workers, "faster_rcnn", POLICIES)
+    for (_, xla), workers in cells.items():
+        for record in workers.values() if xla else ():
+            assert record["xla_parts"].startswith("backbone, FPN, RPN head and box head compiled"), record
+
+
+@pytest.mark.slow
+def test_app_on_two_launched_workers_trains_mixed_identically_then_exports_and_predicts(tmp_path):
+    """apps.detect trains Faster R-CNN --mixed under `tfmp.launch --workers=2` (the one app run
+    of Faster R-CNN: one process is the same app code with another strategy, and the in-process
+    cells above train every strategy): identical weights on both workers, every eval image once;
+    then apps.export and apps.predict's detector kind on the export and on the run dir."""
     run = tmp_path / "run"
-    common = [f"--image_size={SIZE}", f"--global_batch_size={BATCH}", "--warmup_steps=0"]
     result = run_python(
-        ["-m", "apps.detect", "--model=faster_rcnn_tiny", "--mixed", "--steps=4", "--steps_per_epoch=4"]
-        + ["--rcnn_class_loss=softmax", "--pre_nms_top_k=100", "--post_nms_top_k=50", f"--model_dir={run}"]
-        + common
+        ["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "-m", "apps.detect"]
+        + ["--model=faster_rcnn_tiny", "--mixed", "--steps=4", "--steps_per_epoch=4", "--warmup_steps=0"]
+        + ["--rcnn_class_loss=softmax", "--pre_nms_top_k=100", "--post_nms_top_k=50"]
+        # Eval batches of 16 and 10 detections per image: the 500 eval images in 32 gathering
+        # steps instead of 125, and a COCO evaluation of 5,000 detections, not 50,000 (72 s -> 48 s).
+        + ["--global_batch_size=16", "--max_detections=10"]
+        + [f"--image_size={SIZE}", f"--model_dir={run}"]
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = [line for line in result.stdout.splitlines() if line.startswith("tfmp summary:")][-1]
-    assert "eval mAP" in summary and "precision mixed_" in summary
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = [line for line in result.stdout.splitlines() if "tfmp summary:" in line]
+    assert len(summaries) == 2 and "2 replica(s) on 2 worker(s)" in summaries[0]
+    digests = {line.split("weights ")[-1].split(",")[0] for line in summaries}
+    assert len(digests) == 1  # identical weights on both workers
+    assert "on 500 images" in summaries[0]  # every eval image once, across both workers
+    assert "eval mAP" in summaries[0] and "precision mixed_" in summaries[0]
     assert "2nd stage softmax" in result.stdout and "post-NMS top 50 per image" in result.stdout
     picture = tmp_path / "scene.png"
     Image.fromarray((np.random.default_rng(0).random((80, 100, 3)) * 255).astype(np.uint8)).save(picture)
@@ -321,32 +343,3 @@ def test_app_trains_faster_rcnn_mixed_then_predicts_float32_boxes_drawn_to_png(t
     # 4 steps teach the background class first: few or no scores reach the model's 0.05 yet.
     for found in drawn["detections"]:
         assert len(found["box"]) == 4 and found["score"] >= 0.05 and found["name"]
-
-
-@pytest.mark.slow
-def test_multi_worker_cells_train_every_precision_and_xla_identically(launched_workers):
-    """2 workers (conftest's shared launched group, tests/mwms_detect_worker.py) x every
-    precision x XLA off/on, one step each: every model and optimizer variable ends identical on
-    both workers, and with XLA the static-shaped parts are the compiled ones."""
-    cells = identical_detection_cells(launched_workers, "faster_rcnn", POLICIES)
-    for (_, xla), workers in cells.items():
-        for record in workers.values() if xla else ():
-            assert record["xla_parts"].startswith("backbone, FPN, RPN head and box head compiled"), record
-
-
-@pytest.mark.slow
-def test_two_launched_workers_train_faster_rcnn_identically(tmp_path):
-    result = run_python(
-        ["-m", "tfmp.launch", "--workers=2", "--", sys.executable, "-m", "apps.detect"]
-        + ["--model=faster_rcnn_tiny", "--mixed", "--steps=3", "--steps_per_epoch=3", "--warmup_steps=0"]
-        # Eval batches of 16 and 10 detections per image: the 500 eval images in 32 gathering
-        # steps instead of 125, and a COCO evaluation of 5,000 detections, not 50,000 (72 s -> 48 s).
-        + ["--global_batch_size=16", "--max_detections=10"]
-        + [f"--image_size={SIZE}", f"--model_dir={tmp_path / 'run'}"]
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summaries = [line for line in result.stdout.splitlines() if "tfmp summary:" in line]
-    assert len(summaries) == 2 and "2 replica(s) on 2 worker(s)" in summaries[0]
-    digests = {line.split("weights ")[-1].split(",")[0] for line in summaries}
-    assert len(digests) == 1  # identical weights on both workers
-    assert "on 500 images" in summaries[0]  # every eval image once, across both workers
