@@ -66,7 +66,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "models",
     ["seed_cnn"],
-    "Model builders to measure (classifiers, or detectors: retinanet_tiny, faster_rcnn_tiny).",
+    "Model builders to measure (classifiers; the bench's plain Keras models keras_bn_cnn, keras_resnet, "
+    "vit_tiny_p2, hub_vit (keras-hub's ViTBackbone); or detectors: retinanet_tiny, faster_rcnn_tiny).",
 )
 flags.DEFINE_list("precisions", ["float32", "auto"], "float32, mixed_float16, mixed_bfloat16, auto, mixed.")
 flags.DEFINE_list("replicas", ["1"], "MirroredStrategy replica counts (GPUs, or logical CPUs).")
