@@ -20,7 +20,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from test_fused_norm import _assert_close  # noqa: E402
+from fused_scaffolding import assert_close  # noqa: E402
 
 from tfmp.precision.fused_norm import fuse_normalization, is_fused  # noqa: E402
 
@@ -98,11 +98,9 @@ def test_attention_matches_keras(policy, masks, xla):
     names = [w.path for w in _weights(fused)]
     assert y.dtype == y_ref.dtype == compute and grads[0].dtype == grads_ref[0].dtype == compute
     terms = keys * WIDTH  # the most terms an output or input gradient sums
-    _assert_close(y, y_ref, compute, terms=terms, what="output")
+    assert_close(y, y_ref, compute, terms=terms, what="output")
     for mine, theirs, name in zip(grads, grads_ref, ["query", "value", *names]):
-        _assert_close(
-            mine, theirs, compute, terms=BATCH * terms, roundings=ROUNDINGS, what=f"{name} gradient"
-        )
+        assert_close(mine, theirs, compute, terms=BATCH * terms, roundings=ROUNDINGS, what=f"{name} gradient")
 
 
 def test_returned_scores_are_keras_own():

@@ -53,9 +53,6 @@ GLOBAL_BATCH, STEPS = 2 * ROWS, 3
 STATISTIC_TERMS = GLOBAL_BATCH * IMAGE[0] * IMAGE[1]  # a whole-model batch statistic's terms
 
 
-_assert_close = assert_close  # tests/test_fused_attention.py imports it from here
-
-
 def _layer_pair(policy, config):
     """A fused BatchNormalization and a Keras copy with the same random weights (gamma and the
     moving variance in 0.5..2), and the input shape (NCHW for axis 1)."""
@@ -289,7 +286,7 @@ def test_saved_fused_model_loads_in_plain_keras(tmp_path):
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert loaded["tfmp"] == [] and "BatchNormalization" in loaded["classes"]
     # Inference through 2 BatchNorms, 2 convs (at most 72 terms) and the head, in float32.
-    _assert_close(np.load(paths[2]), predictions, "float32", terms=2 * 72, what="predictions")
+    assert_close(np.load(paths[2]), predictions, "float32", terms=2 * 72, what="predictions")
 
 
 class _Block(keras.layers.Layer):
