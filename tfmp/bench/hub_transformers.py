@@ -45,7 +45,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmp.bench import keras_models  # noqa: E402
+from tfmp.bench import keras_models, runner  # noqa: E402
 from tfmp.bench.matrix import RESULT_PREFIX  # noqa: E402
 from tfmp.classification import data  # noqa: E402
 from tfmp.precision.fused_norm import fuse_normalization  # noqa: E402
@@ -195,10 +195,10 @@ def _cells(settings: dict) -> list[dict]:
 def _run(cell: dict) -> dict:
     command = [sys.executable, "-m", "tfmp.bench.hub_transformers", json.dumps({"cell": cell})]
     output = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = [line for line in output.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if output.returncode != 0 or not lines:
+    result = runner.parse_result(output.stdout)  # the bench cells' own result line
+    if output.returncode != 0 or result is None:
         raise RuntimeError(f"cell {cell} failed ({output.returncode}): {output.stderr[-2000:]}")
-    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+    return result
 
 
 def table(results: list[dict]) -> str:
@@ -216,9 +216,14 @@ def table(results: list[dict]) -> str:
         ratio = f"{mixed / single:.2f}" if single and mixed and value == "peak_memory_mb" else ""
         weights = next(iter(cells.values())).get("variables_mb", float("nan"))
         lines.append(
-            f"| {model} | {batch} | {layers} | {single:.3f} | {mixed:.3f} | {ratio} | {weights:.1f} |"
+            f"| {model} | {batch} | {layers} | {_cell(single)} | {_cell(mixed)} | {ratio} | {weights:.1f} |"
         )
     return "\n".join(lines)
+
+
+def _cell(number: float | None) -> str:
+    """A table cell: blank where that precision was not measured (a `precisions` list of one)."""
+    return "" if number is None else f"{number:.3f}"
 
 
 def main(argument: str) -> None:
