@@ -7,6 +7,8 @@ ratio divides the cells it names.
 
 import ast
 import copy
+import dataclasses
+import importlib.util
 import json
 import pathlib
 
@@ -336,6 +338,20 @@ def test_validate_refuses_bad_matrices(changes, message):
     config = bench.BenchConfig(**dict(dict(models=["lenet"], precisions=["float32"]), **changes))
     with pytest.raises(UsageError, match=message):
         bench.validate(config, ENVIRONMENT)
+
+
+def test_a_bench_model_without_its_package_is_a_one_line_refusal(monkeypatch):
+    """hub_vit without keras-hub installed: refused before any cell runs, naming what to install."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "keras_hub" else real_find_spec(name, *args),
+    )
+    environment = dataclasses.replace(ENVIRONMENT, keras_models=["hub_vit"])
+    config = bench.BenchConfig(models=["hub_vit"], precisions=["float32"])
+    with pytest.raises(UsageError, match=r"model 'hub_vit' needs keras_hub, .*pip install 'keras-hub>=0.32"):
+        bench.validate(config, environment)
 
 
 def test_precision_probe_cell_prints_beside_the_peaks():

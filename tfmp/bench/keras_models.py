@@ -42,6 +42,7 @@ import importlib
 
 import keras
 
+from tfmp.bench import matrix
 from tfmp.errors import UsageError, unknown
 from tfmp.models.vit import VIT_TINY, vit
 
@@ -117,8 +118,9 @@ def keras_hub_module():
     try:
         return importlib.import_module("keras_hub")
     except ImportError as error:
+        _, requirement = matrix.OPTIONAL_PACKAGES["hub_vit"]
         raise UsageError(
-            f"the keras-hub bench models need keras-hub ({error}); pip install 'keras-hub>=0.32,<0.33'"
+            f"the keras-hub bench models need keras-hub ({error}); pip install '{requirement}'"
         ) from None
 
 

@@ -30,6 +30,7 @@ an `Environment` that a fresh cell process reports.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import math
 
@@ -122,6 +123,11 @@ class Environment:
         return name in self.detectors
 
 
+# Bench models whose builders need a package a plain install lacks: name -> (module, what to
+# install). Checked by its module spec, so the parent process never imports it.
+OPTIONAL_PACKAGES = {"hub_vit": ("keras_hub", "keras-hub>=0.32,<0.33")}
+
+
 def validate(config: BenchConfig, environment: Environment) -> None:
     """Every check: `check` (no TensorFlow needed) and `check_names`."""
     check(config)
@@ -194,6 +200,11 @@ def check_names(config: BenchConfig, environment: Environment) -> None:
     for name in config.models + config.ratio_models + config.layer_profile:
         if name not in known:
             raise unknown("model", name, known)
+        module, requirement = OPTIONAL_PACKAGES.get(name, (None, None))
+        if module and importlib.util.find_spec(module) is None:
+            raise UsageError(
+                f"model {name!r} needs {module}, which is not installed: pip install '{requirement}'"
+            )
     for name in config.layer_profile:
         if environment.is_detector(name) and (config.image_size < 32 or config.image_size % 32):
             raise UsageError(
