@@ -27,7 +27,13 @@ The two are timed in turn, in one process: each round times `calls` calls of one
 then of the other (the order alternates from round to round), so what the shared machine does
 meanwhile falls on both alike; `value` is the median of the rounds' fused / Keras ratios. The
 allocator's live peak of one call of each (reset just before it) is reported beside: the
-inputs are live in both, the difference is what each computation holds.
+inputs are live in both, the difference is what each computation holds at once. That peak is a
+moment, and which intermediates meet in it depends on the order the executor ran the ops in; so
+beside it is what each layer keeps for its backward pass (`*_kept_mb`): the forward alone as a
+`tf.function` called under a tape, which TensorFlow rewrites to return the intermediates its
+gradient needs, so the bytes alive after the call (the output included) are those, whatever the
+order. It is what a model holds per layer between its forward and backward passes, the memory a
+deeper model multiplies.
 """
 
 from __future__ import annotations
@@ -65,7 +71,8 @@ def _forward_backward(
     layer: str = BATCH_NORMALIZATION,
     heads: int = 0,
 ):
-    """A tf.function: one layer's training forward and its gradients (input and weights)."""
+    """Two tf.functions of one layer: its training forward and its gradients (input and weights),
+    and its training forward alone."""
     study_layer = _make_layer(layer, policy, shape, groups, heads)
 
     def apply(inputs, **kwargs):  # attention attends over its own input (self-attention)
@@ -86,7 +93,7 @@ def _forward_backward(
         # One scalar that needs every gradient: fetching it waits for the whole backward pass.
         return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in gradients])
 
-    return step
+    return step, tf.function(lambda images: apply(images, training=True))
 
 
 def _device() -> str:
@@ -97,6 +104,18 @@ def _live_peak_mb(step, arguments) -> float:
     tf.config.experimental.reset_memory_stats(_device())
     step(*arguments).numpy()
     return tf.config.experimental.get_memory_info(_device())["peak"] / 2**20
+
+
+def _kept_mb(forward, images) -> float:
+    """MiB alive after `forward(images)` under a tape: what its backward pass keeps (see above)."""
+    for _ in range(2):  # the first call traces the forward with its gradient's side outputs
+        with tf.GradientTape() as tape:
+            tape.watch(images)
+            before = tf.config.experimental.get_memory_info(_device())["current"]
+            outputs = forward(images)
+            kept = tf.config.experimental.get_memory_info(_device())["current"] - before
+        del tape, outputs
+    return kept / 2**20
 
 
 def _seconds(step, arguments, calls: int) -> float:
@@ -122,13 +141,15 @@ def measure(
     images = tf.cast(tf.random.normal(shape), compute_dtype)
     upstream = tf.random.normal(shape)
     arguments = (images, upstream)
-    steps = {
+    functions = {
         "keras": _forward_backward(policy, shape, False, groups, layer, heads),
         "fused": _forward_backward(policy, shape, True, groups, layer, heads),
     }
+    steps = {name: step for name, (step, _) in functions.items()}
     for step in steps.values():
         _seconds(step, arguments, WARMUP_CALLS)
     peaks = {name: _live_peak_mb(step, arguments) for name, step in steps.items()}
+    kept = {name: _kept_mb(forward, images) for name, (_, forward) in functions.items()}
     slowest = max(_seconds(step, arguments, 1) for step in steps.values())
     calls = max(1, math.ceil(MIN_TIMING_SECONDS / max(slowest, 1e-6)))
     times = {"keras": [], "fused": []}
@@ -151,5 +172,7 @@ def measure(
         "value": statistics.median(ratios),
         "keras_peak_memory_mb": peaks["keras"],
         "fused_peak_memory_mb": peaks["fused"],
+        "keras_kept_mb": kept["keras"],
+        "fused_kept_mb": kept["fused"],
         "peak_memory_source": _device()[:3].lower(),
     }

@@ -85,6 +85,9 @@ def fused_vs_keras_bn(cells: list[dict]) -> list[dict]:
                     "fused_ms": result["fused_ms"],
                     "value": result["value"],
                     "peak_memory": result["fused_peak_memory_mb"] / keras_peak if keras_peak > 0 else None,
+                    # Reports from before the kept bytes were measured have none.
+                    "keras_kept_mb": result.get("keras_kept_mb"),
+                    "fused_kept_mb": result.get("fused_kept_mb"),
                 }
             )
     return rows
@@ -102,6 +105,8 @@ def lines(ratios: dict, devices) -> list[str]:
         )
     for row in ratios["fused_vs_keras_bn"]:
         memory = "" if row["peak_memory"] is None else f", live peak {row['peak_memory']:.2f}x"
+        if row.get("keras_kept_mb") is not None:
+            memory += f", kept for backward {row['fused_kept_mb']:,.2f} / {row['keras_kept_mb']:,.2f} MiB"
         result.append(
             f"{row['layer']} alone, fwd+bwd on {'x'.join(map(str, row['shape']))} {row['policy']}: fused "
             f"{row['fused_ms']:.2f} ms / Keras {row['keras_ms']:.2f} ms = {row['value']:.2f}x (median of rounds "

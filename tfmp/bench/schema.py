@@ -145,6 +145,8 @@ RATIOS = {
         "fused_ms": "number",
         "value": "number",
         "peak_memory": "number?",
+        "keras_kept_mb": "number?",
+        "fused_kept_mb": "number?",
     },
     "pipeline": {
         "model": "string",
@@ -206,6 +208,8 @@ BN_STUDY_RESULT = {
     "value": "number",
     "keras_peak_memory_mb": "number",
     "fused_peak_memory_mb": "number",
+    "keras_kept_mb": "number",  # what the forward leaves alive for the backward pass
+    "fused_kept_mb": "number",
     "peak_memory_source": "string",
 }
 # --mode=memory: the largest batch under a live-peak budget (tfmp.bench.memory).
