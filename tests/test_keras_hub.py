@@ -223,7 +223,8 @@ def _fit_losses(name, policy, fused) -> list:
     return history.history["loss"]
 
 
-@pytest.mark.parametrize("policy", [pytest.param("float32", marks=pytest.mark.slow), "mixed_bfloat16"])
+@pytest.mark.slow  # two fits per case: 10-15 s each on 2 cores
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 @pytest.mark.parametrize("name", ["vit", "bert"])
 def test_trains_through_fit_like_keras(name, policy):
     """tfmp.fit, fused vs Keras' layers from the same weights: each step's loss within the
