@@ -29,7 +29,7 @@ BOX_TOLERANCE, SCORE_TOLERANCE = 4 * SIZE * EPSILON, 4 * EPSILON
 # bfloat16 keeps 8 bits: ~20 layers of 2^-8 relative rounding each before the RPN's outputs.
 BFLOAT16_RELATIVE = 20 * 2.0**-8
 DETECTION_DTYPES = {"boxes": "float32", "scores": "float32", "classes": "int32", "valid_detections": "int32"}
-# The module's exports take about 25 s to build on 2 quiet cores: out of the `-m "not slow"` loop.
+# The module's exports took 42 s to build on 2 busy cores (load 3-5): out of the `-m "not slow"` loop.
 pytestmark = pytest.mark.slow
 
 
