@@ -154,15 +154,15 @@ def test_unfusable_attention_is_listed_with_its_reason():
 
 # Bytes a forward pass leaves alive for its backward pass through DEPTH layers, Keras' vs fused, in
 # bfloat16, in a process with TensorFlow's BFC CPU allocator (the only one that keeps the
-# statistic). The forward is a tf.function called under a tape: TensorFlow rewrites it to return
-# the intermediates its gradient needs, so what stays alive after the call is exactly what the
-# backward pass keeps (plus the output), whatever order an executor ran the ops in, as a graph's
-# peak depends on.
+# statistic), counted by the bench's own measure (`tfmp.bench.bn_study.kept_mb`: the forward as a
+# tf.function called under a tape returns the intermediates its gradient needs, so what stays
+# alive after the call is what the backward pass keeps, whatever order the ops ran in).
 MEMORY_SCRIPT = """
 import json, os, sys
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 sys.path.insert(0, os.getcwd())
 import keras, tensorflow as tf
+from tfmp.bench.bn_study import kept_mb
 from tfmp.precision.fused_norm import fuse_normalization
 DEPTH, BATCH, TOKENS, WIDTH = 4, 8, 64, 64
 
@@ -177,18 +177,8 @@ def kept(kind, fused):
     model = keras.Model(inputs, x)
     if fused:
         assert len(fuse_normalization(model).fused) == DEPTH
-    data = tf.random.normal((BATCH, TOKENS, WIDTH))
     forward = tf.function(lambda data: model(data, training=True))
-    with tf.GradientTape() as tape:  # traces the forward and its gradient's side outputs
-        tape.watch(data)
-        forward(data)
-    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    with tf.GradientTape() as tape:
-        tape.watch(data)
-        outputs = forward(data)
-    kept_bytes = tf.config.experimental.get_memory_info("CPU:0")["current"] - base
-    tape.gradient(tf.reduce_sum(tf.cast(outputs, tf.float32)), data)  # the kept tensors suffice
-    return kept_bytes
+    return kept_mb(forward, tf.random.normal((BATCH, TOKENS, WIDTH))) * 2**20
 
 print(json.dumps({kind: [kept(kind, False), kept(kind, True)] for kind in sys.argv[1:]}))
 """

@@ -106,13 +106,17 @@ def _live_peak_mb(step, arguments) -> float:
     return tf.config.experimental.get_memory_info(_device())["peak"] / 2**20
 
 
-def _kept_mb(forward, images) -> float:
-    """MiB alive after `forward(images)` under a tape: what its backward pass keeps (see above)."""
+def kept_mb(forward, inputs) -> float:
+    """MiB alive after `forward(inputs)` (a `tf.function`) under a tape: what its backward pass
+    keeps (see above), for a layer or a chain of them.
+
+        kept_mb(tf.function(lambda x: model(x, training=True)), data)
+    """
     for _ in range(2):  # the first call traces the forward with its gradient's side outputs
         with tf.GradientTape() as tape:
-            tape.watch(images)
+            tape.watch(inputs)
             before = tf.config.experimental.get_memory_info(_device())["current"]
-            outputs = forward(images)
+            outputs = forward(inputs)
             kept = tf.config.experimental.get_memory_info(_device())["current"] - before
         del tape, outputs
     return kept / 2**20
@@ -149,7 +153,7 @@ def measure(
     for step in steps.values():
         _seconds(step, arguments, WARMUP_CALLS)
     peaks = {name: _live_peak_mb(step, arguments) for name, step in steps.items()}
-    kept = {name: _kept_mb(forward, images) for name, (_, forward) in functions.items()}
+    kept = {name: kept_mb(forward, images) for name, (_, forward) in functions.items()}
     slowest = max(_seconds(step, arguments, 1) for step in steps.values())
     calls = max(1, math.ceil(MIN_TIMING_SECONDS / max(slowest, 1e-6)))
     times = {"keras": [], "fused": []}

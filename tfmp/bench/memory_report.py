@@ -105,7 +105,7 @@ def lines(ratios: dict, devices) -> list[str]:
         )
     for row in ratios["fused_vs_keras_bn"]:
         memory = "" if row["peak_memory"] is None else f", live peak {row['peak_memory']:.2f}x"
-        if row.get("keras_kept_mb") is not None:
+        if row["keras_kept_mb"] is not None:  # None in reports from before it was measured
             memory += f", kept for backward {row['fused_kept_mb']:,.2f} / {row['keras_kept_mb']:,.2f} MiB"
         result.append(
             f"{row['layer']} alone, fwd+bwd on {'x'.join(map(str, row['shape']))} {row['policy']}: fused "
