@@ -131,10 +131,12 @@ def test_shape_distances_are_named_in_label_order():
 
 @pytest.mark.slow
 def test_shapes_learnable():
+    """A small CNN learns the built-in shapes well above chance (0.1) in 120 steps. At 16x16
+    (a fifth of 32x32's time) seeds 0, 1 and 2 reach 0.71, 0.65 and 0.85; at 32x32 0.90-0.95."""
     import keras
 
     keras.utils.set_random_seed(0)
-    layers = [keras.Input((32, 32, 3))]
+    layers = [keras.Input((16, 16, 3))]
     for filters in (32, 64, 128):
         layers += [
             keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
@@ -144,8 +146,9 @@ def test_shapes_learnable():
     model = keras.Sequential(layers)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(keras.optimizers.Adam(1e-3), loss, metrics=["accuracy"])
-    model.fit(data.load("shapes", "train", 128)[0], steps_per_epoch=120, verbose=0)
-    _, accuracy = model.evaluate(data.load("shapes", "eval", 500, training=False)[0].take(1), verbose=0)
+    model.fit(data.load("shapes", "train", 64, image_size=16)[0], steps_per_epoch=120, verbose=0)
+    eval_batch = data.load("shapes", "eval", 500, image_size=16, training=False)[0].take(1)
+    _, accuracy = model.evaluate(eval_batch, verbose=0)
     assert accuracy > 0.4
 
 
