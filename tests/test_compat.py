@@ -50,6 +50,17 @@ def test_calls_in_counts_each_call_of_a_shared_layer_in_this_model_only():
     assert compat.calls_in(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), dense) is None
 
 
+def test_call_arguments_of_a_recorded_call_keep_positions_and_keywords():
+    inputs, mask = keras.Input((5, 4)), keras.Input((5,), dtype="bool")
+    attention = keras.layers.MultiHeadAttention(2, 2)
+    model = keras.Model([inputs, mask], attention(inputs, inputs, attention_mask=mask[:, None, :]))
+    (node,) = compat.calls_in(model, attention)
+    _require(node, "arguments")
+    args, kwargs = compat.call_arguments(node)
+    assert args == (inputs, inputs), "Node.arguments.args changed"
+    assert list(kwargs) == ["attention_mask"] and tuple(kwargs["attention_mask"].shape) == (None, 1, 5)
+
+
 def test_functional_graph_of_a_sequential():
     sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")])
     _require(sequential, "_functional")

@@ -185,6 +185,39 @@ def test_every_normalization_and_attention_layer_is_listed():
 
 # The decoder's Keras mask reaches layers inside keras-hub's blocks that drop it (they take the
 # padding mask through the block's own call): Keras warns, keras-hub's design, not ours.
+def _hand_flops(name) -> int:
+    """Forward FLOPs of MODELS[name] by hand: Q/K/V/output projections, Q K^T and scores x V,
+    the MLP (hidden 2 x WIDTH), ViT's patch convolution, BERT's pooler (a Dense on the first
+    token) and the head; embeddings are gathers."""
+
+    def block(tokens):
+        return (
+            4 * 2 * tokens * WIDTH * WIDTH
+            + 2 * 2 * tokens * tokens * WIDTH
+            + 2 * 2 * tokens * WIDTH * 2 * WIDTH
+        )
+
+    patches, head = (IMAGE // PATCH) ** 2, 2 * WIDTH * CLASSES
+    return {
+        "vit": 2 * patches * PATCH * PATCH * 3 * WIDTH + 2 * block(patches + 1) + head,
+        "bert": 2 * block(TOKENS) + 2 * WIDTH * WIDTH + head,
+        "decoder": block(TOKENS) + head,
+    }[name]
+
+
+@pytest.mark.filterwarnings("ignore:Layer '.*' .* was passed an input with a mask attached")
+@pytest.mark.parametrize("fused", [False, True])
+def test_count_flops_sees_inside_keras_hub_layers(fused):
+    """keras-hub's encoders and decoders call their Dense and attention layers inside `call`,
+    where no layer graph records shapes: count_flops counts them on the traced graph, fused or
+    not, to the hand count."""
+    for name, (build, _) in MODELS.items():
+        model = build("mixed_bfloat16")
+        if fused:
+            fuse_normalization(model)
+        assert tfmp.models.count_flops(model, batch_size=3) == 3 * _hand_flops(name), name
+
+
 @pytest.mark.filterwarnings("ignore:Layer '.*' .* was passed an input with a mask attached")
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", list(MODELS))

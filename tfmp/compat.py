@@ -11,6 +11,8 @@ versions that test passes on.
     Sequential._functional                  the layer graph inside a built Sequential (pipeline)
     Functional._nodes, Layer._inbound_nodes,  which calls of a (shared) layer belong to a given
       the "<id>_ib-<index>" node key          functional model (FLOP counts, pipeline cuts)
+    Node.arguments (.args, .kwargs)         the arguments a recorded layer call was made with,
+                                            to trace it again (FLOP counts of custom layers)
     Variable._value, Variable._initialize   re-creating a variable on a pipeline stage's device
     Optimizer._distribution_strategy        the strategy an optimizer was made in, whose scope
                                             its slots must be built in (tfmp.fit)
@@ -61,6 +63,12 @@ def calls_in(model, layer) -> list | None:
     if not own_nodes:
         return None
     return [node for index, node in enumerate(layer._inbound_nodes) if f"{id(layer)}_ib-{index}" in own_nodes]
+
+
+def call_arguments(node) -> tuple[tuple, dict]:
+    """The (args, kwargs) a layer call recorded in `node` (from `calls_in`) was made with:
+    symbolic tensors where tensors were passed, the other values as given."""
+    return tuple(node.arguments.args), dict(node.arguments.kwargs)
 
 
 def is_created(variable: keras.Variable) -> bool:
