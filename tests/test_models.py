@@ -158,6 +158,45 @@ def test_count_flops_matches_hand_count():
     assert count_flops(model, batch_size=3) == 3 * 14464
 
 
+class _Block(keras.layers.Layer):
+    """A user's own block: its sublayers and ops run inside `call`, where no layer graph
+    records their shapes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.depthwise = keras.layers.DepthwiseConv2D(3, padding="same")
+        self.dense = keras.layers.Dense(6)
+
+    def build(self, input_shape):
+        self.mix = self.add_weight(shape=(6, 2), name="mix")
+
+    def call(self, images, scale):
+        tokens = keras.ops.reshape(self.depthwise(images), (-1, 16, 4)) * scale
+        tokens = self.dense(tokens)  # (batch, 16, 6)
+        gram = keras.ops.einsum("b...i,bsi->b...s", tokens, tokens)  # (batch, 16, 16)
+        return keras.ops.matmul(gram, tokens) @ self.mix  # (batch, 16, 2)
+
+
+def test_count_flops_traces_a_layer_it_has_no_rule_for():
+    images, scale = keras.Input((4, 4, 4)), keras.Input((1, 1))
+    model = keras.Model([images, scale], _Block()(images, scale=scale))
+    depthwise = 2 * (4 * 4 * 4) * (3 * 3)
+    dense = 2 * 16 * 4 * 6
+    einsum = 2 * (16 * 16) * 6
+    matmuls = 2 * (16 * 6) * 16 + 2 * (16 * 2) * 6
+    assert count_flops(model, batch_size=2) == 2 * (depthwise + dense + einsum + matmuls)
+
+
+def test_count_flops_refuses_an_open_shape_naming_the_layer():
+    tokens = keras.Input((None, 8))
+    model = keras.Model(tokens, keras.layers.Dense(3, name="open")(tokens))
+    with pytest.raises(
+        UsageError,
+        match=r"count_flops needs a fixed input shape; layer 'open' has a tensor of shape \(None, None, 3\): build",
+    ):
+        count_flops(model)
+
+
 def test_count_flops_of_lenet():
     conv1 = 2 * 24 * 24 * (5 * 5 * 1) * 20
     conv2 = 2 * 8 * 8 * (5 * 5 * 20) * 50

@@ -102,13 +102,18 @@ def _attention_flops(layer: keras.layers.MultiHeadAttention, inputs: list, outpu
 
 
 def _fixed_positions(layer, tensor) -> tuple[int, ...]:
-    """The tensor's shape without its batch and feature axes; UsageError if any is unknown."""
-    positions = tuple(tensor.shape[1:-1])
-    if any(size is None for size in positions):
+    """The tensor's shape without its batch and feature axes; UsageError if a non-batch axis is
+    unknown."""
+    _check_fixed(layer, tensor)
+    return tuple(tensor.shape[1:-1])
+
+
+def _check_fixed(layer, tensor) -> None:
+    if any(size is None for size in tensor.shape[1:]):
         raise UsageError(
-            f"count_flops needs a fixed input shape; layer {layer.name!r} has a tensor of shape {tensor.shape}"
+            f"count_flops needs a fixed input shape; layer {layer.name!r} has a tensor of shape "
+            f"{tensor.shape}: build the model on keras.Input shapes without None past the batch axis"
         )
-    return positions
 
 
 def _calls(model: keras.Model, layer) -> list[tuple[list, object]]:
@@ -134,17 +139,15 @@ def _traced_flops(layer, args: tuple, kwargs: dict) -> int:
     """FLOPs of `layer(*args, **kwargs)` at batch 1, counted on its traced graph."""
     symbolic = [value for value in keras.tree.flatten((args, kwargs)) if isinstance(value, keras.KerasTensor)]
     for tensor in symbolic:
-        if any(size is None for size in tensor.shape[1:]):
-            raise UsageError(
-                f"count_flops needs a fixed input shape; layer {layer.name!r} has a tensor of shape {tensor.shape}"
-            )
+        _check_fixed(layer, tensor)
 
     def call(*tensors):
         supply = iter(tensors)
         call_args, call_kwargs = keras.tree.map_structure(
             lambda value: next(supply) if isinstance(value, keras.KerasTensor) else value, (args, kwargs)
         )
-        return layer(*call_args, **call_kwargs)
+        with tf.name_scope("count_flops"):  # a root scope may not start with "_"; a layer's name may
+            return layer(*call_args, **call_kwargs)
 
     specs = [tf.TensorSpec((1, *tensor.shape[1:]), tensor.dtype) for tensor in symbolic]
     graph = tf.function(call).get_concrete_function(*specs).graph
