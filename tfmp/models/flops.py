@@ -22,7 +22,7 @@ Multiply and add are counted separately. Two ways, one set of rules:
 
 Biases, normalizations, activations, softmaxes, pooling, additions and gathers (embeddings) are
 left out in both: a few percent of the arithmetic, and memory-bound. Transposed convolutions are
-not counted (no tfmp model has one). Every non-batch dimension must be known (UsageError naming
+not counted (no tfmp model has one), nor ops inside a traced loop's body (an RNN's while loop). Every non-batch dimension must be known (UsageError naming
 the layer otherwise).
 """
 
