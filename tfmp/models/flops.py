@@ -22,8 +22,9 @@ Multiply and add are counted separately. Two ways, one set of rules:
 
 Biases, normalizations, activations, softmaxes, pooling, additions and gathers (embeddings) are
 left out in both: a few percent of the arithmetic, and memory-bound. Transposed convolutions are
-not counted (no tfmp model has one), nor ops inside a traced loop's body (an RNN's while loop). Every non-batch dimension must be known (UsageError naming
-the layer otherwise).
+not counted (no tfmp model has one), nor one-operand einsums (transposes, reductions), nor ops
+inside a traced loop's body (an RNN's while loop). Every non-batch dimension must be known
+(UsageError naming the layer otherwise).
 """
 
 from __future__ import annotations
@@ -156,17 +157,19 @@ def _traced_flops(layer, args: tuple, kwargs: dict) -> int:
 
 def _op_flops(layer, op: tf.Operation) -> int:
     """One graph op's FLOPs by the module's rules; 0 for ops that are not counted."""
-    if op.type not in _MATMULS and op.type not in _CONVOLUTIONS and op.type != "Einsum":
+    einsum = op.type == "Einsum" and len(op.inputs) == 2
+    if op.type not in _MATMULS and op.type not in _CONVOLUTIONS and not einsum:
         return 0
     output = op.outputs[0].shape
     if not output.is_fully_defined():
         raise UsageError(
-            f"count_flops needs fixed shapes; {op.type} {op.name!r} in layer {layer.name!r} makes {output}"
+            f"count_flops cannot count layer {layer.name!r}: its {op.type} {op.name!r} makes a "
+            f"data-dependent shape {output}"
         )
     if op.type in _MATMULS:
         left = op.inputs[0].shape
         per_output = left[-2] if op.get_attr(_MATMULS[op.type]) else left[-1]
-    elif op.type == "Einsum":
+    elif einsum:
         per_output = math.prod(_summed_sizes(op))
     elif op.type == "DepthwiseConv2dNative":
         per_output = math.prod(op.inputs[1].shape[:2])  # each output channel sees one input channel
