@@ -183,8 +183,6 @@ def test_every_normalization_and_attention_layer_is_listed():
     )
 
 
-# The decoder's Keras mask reaches layers inside keras-hub's blocks that drop it (they take the
-# padding mask through the block's own call): Keras warns, keras-hub's design, not ours.
 def _hand_flops(name) -> int:
     """Forward FLOPs of MODELS[name] by hand: Q/K/V/output projections, Q K^T and scores x V,
     the MLP (hidden 2 x WIDTH), ViT's patch convolution, BERT's pooler (a Dense on the first
@@ -205,6 +203,8 @@ def _hand_flops(name) -> int:
     }[name]
 
 
+# The decoder's Keras mask reaches layers inside keras-hub's blocks that drop it (they take the
+# padding mask through the block's own call): Keras warns, keras-hub's design, not ours.
 @pytest.mark.filterwarnings("ignore:Layer '.*' .* was passed an input with a mask attached")
 @pytest.mark.parametrize("fused", [False, True])
 def test_count_flops_sees_inside_keras_hub_layers(fused):
