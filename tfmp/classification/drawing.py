@@ -10,6 +10,11 @@ freely inside `Dataset.map`.
 
 import tensorflow as tf
 
+# The drawing functions are plain TensorFlow (loops over static ranges, no Python branch on a
+# tensor), so tf.data's AutoGraph need not rewrite them in every process that builds a pipeline:
+# with tfmp.detection.shapes marked alike, 1.5 -> 0.45 CPU-s of conversion where the digits,
+# shapes and detection scenes pipelines are all built (measured).
+
 
 def _grid(size):
     """Pixel-centre coordinates in [0, 1]: y as a column, x as a row (broadcast to size x size)."""
@@ -37,6 +42,7 @@ def shape_distances(u, v) -> dict:
     }
 
 
+@tf.autograph.experimental.do_not_convert
 def draw_shape(key, label, size):
     """One `shapes` image: a signed distance field per class, anti-aliased over one pixel."""
     params_key, noise_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
@@ -103,6 +109,7 @@ def _glyph_vertices():
     return tf.constant([g + [g[-1]] * (longest - len(g)) for g in _GLYPHS], tf.float32)
 
 
+@tf.autograph.experimental.do_not_convert
 def draw_digit(key, label, _):
     """One 28x28x1 `digits` image: a wobbly stroke glyph under a random affine map, plus noise."""
     params_key, wobble_key, noise_key = tf.unstack(tf.random.experimental.stateless_split(key, 3))

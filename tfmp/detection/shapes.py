@@ -65,6 +65,7 @@ def _hash(values):
     return tf.bitwise.bitwise_xor(values, tf.bitwise.right_shift(values, 16))
 
 
+@tf.autograph.experimental.do_not_convert  # plain TensorFlow: as tfmp.classification.drawing
 def scene_randomness(key, size: int, max_shapes: int = 4) -> dict:
     """Every random number of one scene (the per-example part of drawing it)."""
     scene_key, shapes_key, noise_key = tf.unstack(tf.random.experimental.stateless_split(key, 3))
@@ -91,7 +92,7 @@ def _accept(boxes, wanted):
     return taken
 
 
-@tf.function(jit_compile=True)
+@tf.function(jit_compile=True, autograph=False)
 def _paint(labels, radius, centre_y, centre_x, cos, sin, keep, palette, noise_seed, size: int):
     """The 8-bit images [N, size, size, 3] and, per shape, which rows and columns [N, K, size]
     it covers by more than half, from the shapes' [N, K] classes, radii, centres, rotations and
@@ -130,6 +131,7 @@ def _extents(rows, columns):
     return tf.cast(box, tf.float32), tf.reduce_any(rows, axis=-1)
 
 
+@tf.autograph.experimental.do_not_convert  # plain TensorFlow: as tfmp.classification.drawing
 def render_scenes(randomness: dict, size: int, max_shapes: int = 4):
     """(images [N, size, size, 3] float32 in [0, 1], boxes [N, max_shapes, 4], classes
     [N, max_shapes]) of a batch of `scene_randomness` dicts (stacked)."""
