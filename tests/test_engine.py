@@ -195,6 +195,28 @@ def test_evaluate_counts_every_example_once_and_ignores_padding(mirrored):
     assert again["accuracy"] == pytest.approx(expected_16)
 
 
+def test_one_device_evaluate_runs_the_model_in_its_own_graph_not_inside_tf_data():
+    """A plain dataset (no strategy) is evaluated by an iterator loop in the eval function, as
+    Keras does: a `Dataset.reduce` there would run the model inside tf.data, which places it on
+    the host CPU even beside a GPU (tensorflow#32138), a slowdown no CPU test would time."""
+    images, labels = _data()
+    engine = _engine(tf.distribute.get_strategy())
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(GLOBAL_BATCH)
+    graph_def = engine._eval_fn.get_concrete_function(dataset).graph.as_graph_def()
+    nodes = [
+        *graph_def.node,
+        *(node for function in graph_def.library.function for node in function.node_def),
+    ]
+    op_types = {node.op for node in nodes}
+    assert "ReduceDataset" not in op_types and {"IteratorGetNextAsOptional", "MatMul"} <= op_types
+    expected_loss, expected_accuracy = engine.model.evaluate(
+        images, labels, batch_size=GLOBAL_BATCH, verbose=0
+    )
+    results = engine.evaluate(dataset)
+    assert results["accuracy"] == pytest.approx(expected_accuracy)
+    assert results["loss"] == pytest.approx(expected_loss, rel=1e-5)
+
+
 def test_predict_gathers_every_row_once_in_input_order(mirrored):
     images, labels = _data()
     engine = _engine(mirrored)

@@ -325,12 +325,17 @@ class Engine:
         self._track(loss, rows, tf.constant(True), x, y, y_pred, sample_weight)
 
     def _eval_loop(self, distributed_dataset):
-        # A distributed dataset's own loop (every replica's batch, until the data ends).
-        def step(count, data):
-            self.strategy.run(self._eval_replica_step, args=(data,))
-            return count + 1
+        # An iterator and a while loop until the data ends, as Keras' evaluate: a plain
+        # dataset's `reduce` (what a Python loop over it becomes under AutoGraph) would run the
+        # model inside tf.data, which places it on the host CPU even beside a GPU
+        # (tensorflow#32138). A distributed dataset's own `reduce` is this same loop.
+        iterator = iter(distributed_dataset)
 
-        distributed_dataset.reduce(tf.constant(0, tf.int64), step)
+        def step(optional):
+            self.strategy.run(self._eval_replica_step, args=(optional.get_value(),))
+            return (iterator.get_next_as_optional(),)
+
+        tf.while_loop(lambda optional: optional.has_value(), step, [iterator.get_next_as_optional()])
 
     def _infer_loop(self, iterator, num_steps):
         def step(offset):
