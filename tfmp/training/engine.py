@@ -328,14 +328,20 @@ class Engine:
         # An iterator and a while loop until the data ends, as Keras' evaluate: a plain
         # dataset's `reduce` (what a Python loop over it becomes under AutoGraph) would run the
         # model inside tf.data, which places it on the host CPU even beside a GPU
-        # (tensorflow#32138). A distributed dataset's own `reduce` is this same loop.
+        # (tensorflow#32138). A distributed dataset's own `reduce` is this same loop, one batch
+        # after the other.
         iterator = iter(distributed_dataset)
 
         def step(optional):
             self.strategy.run(self._eval_replica_step, args=(optional.get_value(),))
             return (iterator.get_next_as_optional(),)
 
-        tf.while_loop(lambda optional: optional.has_value(), step, [iterator.get_next_as_optional()])
+        tf.while_loop(
+            lambda optional: optional.has_value(),
+            step,
+            [iterator.get_next_as_optional()],
+            parallel_iterations=1,
+        )
 
     def _infer_loop(self, iterator, num_steps):
         def step(offset):
