@@ -6,8 +6,9 @@
     checkpoints.save(step)
     checkpoints.saved_step            # the newest complete checkpoint's step (None: none yet)
 
-A checkpoint holds the model, the optimizer (slots, iteration count and the loss-scale state),
-the global step and the global batch size, which together fix the data position: the input
+A checkpoint holds the model (with every optimizer it holds, e.g. a GAN's two, and its seed
+generators' states), the optimizer (slots, iteration count and the loss-scale state), the global
+step and the global batch size, which together fix the data position: the input
 pipeline skips `step * global_batch_size` examples on resume, so a run resumed with another
 global batch would continue at a different place in the data; that is refused with both sizes.
 A checkpoint that cannot be read (a truncated or overwritten data or index file) is skipped
@@ -79,6 +80,9 @@ class Checkpoints:
         self._damaged_state = False
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         self.batch = tf.Variable(global_batch_size, dtype=tf.int64, trainable=False, name="global_batch_size")
+        untracked = _untracked_variables(objects["model"]) if "model" in objects else []
+        if untracked:
+            objects["random_state"] = untracked
         self.checkpoint = tf.train.Checkpoint(step=self.step, global_batch_size=self.batch, **objects)
         self._manager = None  # made at the first save: it reads (and then rewrites) the state file
 
@@ -177,6 +181,14 @@ class Checkpoints:
     def close(self) -> None:
         if not self.is_chief:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _untracked_variables(model) -> list:
+    """The model's variables its object graph does not reach, which a checkpoint of the model
+    alone would leave out: Keras' seed generators' states (a Dropout's, a GAN's noise), so a
+    resumed run draws the random numbers the uninterrupted one would have."""
+    reached = {id(item) for item in tf.train.TrackableView(model).descendants()}
+    return [variable for variable in model.variables if id(variable) not in reached]
 
 
 def _files_on_disk(directory: str) -> list[str]:
