@@ -2,6 +2,8 @@
 with the launched 2-worker group (tests/fit_worker.py runs the `MULTI_WORKER` rows there).
 
 Each row's `arguments()` are fresh each call: generators and callbacks are used up by a fit.
+`OWN_STEPS` are the patterns of Keras' guide "Customizing what happens in fit()": models whose
+own `train_step` (and `test_step`, `predict_step`, `compile`) tfmp must run as Keras does.
 """
 
 import dataclasses
@@ -150,3 +152,167 @@ MULTI_WORKER = (
     "steps_per_epoch_shorter_than_data",
     "stop_training_in_a_batch",
 )
+
+
+class ScaledLoss(keras.Model):
+    """The guide's first pattern: its own train_step on the compiled loss (`compute_loss`), here
+    doubled, so a trainer that ran its own step instead would log and learn something else."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = 2.0 * self.compute_loss(y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {metric.name: metric.result() for metric in self.metrics}
+
+
+class OwnTrackers(keras.Model):
+    """The guide's lower-level pattern: compile(optimizer) only, its own loss and metric trackers
+    (a `metrics` property), a test_step whose logs are not its metrics' names, and a
+    predict_step that returns a dict."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae = keras.metrics.MeanAbsoluteError(name="mae")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae]
+
+    def _track(self, x, y, training):
+        y_pred = self(x, training=training)
+        loss = keras.ops.mean(keras.ops.square(y_pred - y))
+        self.loss_tracker.update_state(loss)
+        self.mae.update_state(y, y_pred)
+        return loss
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self._track(x, y, training=True)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae.result()}
+
+    def test_step(self, data):
+        self._track(*data, training=False)
+        return {"loss": self.loss_tracker.result(), "error": self.mae.result()}
+
+    def predict_step(self, data):
+        y_pred = self(data[0] if isinstance(data, tuple) else data, training=False)
+        return {"value": y_pred, "doubled": 2.0 * y_pred}
+
+
+LATENT, PIXELS = 4, 6
+
+
+class GAN(keras.Model):
+    """The guide's GAN: its own compile(d_optimizer, g_optimizer, loss_fn), two optimizers built on
+    first use, noise from its own seed generator, images without labels, and no `call`."""
+
+    def __init__(self, discriminator, generator):
+        super().__init__()
+        self.discriminator, self.generator = discriminator, generator
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def train_step(self, real_images):
+        if isinstance(real_images, tuple):
+            real_images = real_images[0]
+        batch_size = tf.shape(real_images)[0]
+        noise = keras.random.normal((batch_size, LATENT), seed=self.seed_generator)
+        images = tf.concat([self.generator(noise), real_images], axis=0)
+        labels = tf.concat([tf.ones((batch_size, 1)), tf.zeros((batch_size, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(images))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply(grads, self.discriminator.trainable_weights)
+        noise = keras.random.normal((batch_size, LATENT), seed=self.seed_generator)
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(tf.zeros((batch_size, 1)), self.discriminator(self.generator(noise)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply(grads, self.generator.trainable_weights)
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+def scaled_loss(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        model = ScaledLoss(inputs, keras.layers.Dense(CLASSES)(hidden))
+        model.compile(
+            keras.optimizers.SGD(0.1),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    return model
+
+
+def own_trackers(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        model = OwnTrackers(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+    return model
+
+
+def gan(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        discriminator = keras.Sequential(
+            [keras.Input((PIXELS,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+        )
+        generator = keras.Sequential(
+            [keras.Input((LATENT,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(PIXELS)]
+        )
+        model = GAN(discriminator, generator)
+        model.compile(
+            keras.optimizers.Adam(1e-3),
+            keras.optimizers.Adam(1e-3),
+            keras.losses.BinaryCrossentropy(from_logits=True),
+        )
+    return model
+
+
+def keras_can_fit(model):
+    """Lets Keras' own fit train the GAN under a strategy, as the oracle for tfmp's: Keras would
+    build its optimizers inside `strategy.run` (which fails) and cannot build a model with no
+    `call`, so both are done here, before the fit."""
+    with model.distribute_strategy.scope():
+        model.d_optimizer.build(model.discriminator.trainable_weights)
+        model.g_optimizer.build(model.generator.trainable_weights)
+    model.built = True
+    return model
+
+
+REAL_IMAGES = np.tanh(np.random.default_rng(2).normal(size=(EXAMPLES // 2, PIXELS))).astype("float32")
+OWN_STEPS = {
+    "scaled_compute_loss": Row(lambda: dict(x=X, y=Y, batch_size=16, epochs=2), build=scaled_loss),
+    "own_trackers_and_test_step": Row(
+        lambda: dict(x=X, y=Y_VALUE, batch_size=16, epochs=2, validation_data=(X[:32], Y_VALUE[:32])),
+        build=own_trackers,
+    ),
+    "gan_without_labels": Row(lambda: dict(x=REAL_IMAGES, batch_size=16, epochs=2), build=gan),
+}
+# Own-step patterns the 2-worker group runs; Keras' fit on 2 mirrored replicas is their oracle.
+OWN_MULTI_WORKER = ("scaled_compute_loss", "own_trackers_and_test_step")

@@ -101,9 +101,11 @@ def run(strategy):
 
 
 def conformance_rows(strategy):
-    """tests/fit_rows.py's MULTI_WORKER rows through tfmp.fit on `strategy`; a generator is refused."""
-    for name in fit_rows.MULTI_WORKER:
-        row = fit_rows.ROWS[name]
+    """tests/fit_rows.py's MULTI_WORKER and OWN_MULTI_WORKER rows through tfmp.fit on `strategy`; a
+    generator is refused."""
+    rows = [(name, fit_rows.ROWS[name]) for name in fit_rows.MULTI_WORKER]
+    rows += [(name, fit_rows.OWN_STEPS[name]) for name in fit_rows.OWN_MULTI_WORKER]
+    for name, row in rows:
         model = row.build(strategy)
         history = tfmp.fit(model, **row.arguments(), shuffle=False, verbose=0)
         task = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0) or 0

@@ -8,7 +8,11 @@ times the values' scale (~1) and the number of steps whose rounding can differ (
 order in the gradient reductions), times a safety factor of 16.
 """
 
+import json
+import os
 import re
+import signal
+import time
 
 import keras
 import numpy as np
@@ -19,17 +23,24 @@ from fit_rows import (
     EXAMPLES,
     FEATURES,
     MULTI_WORKER,
+    OWN_MULTI_WORKER,
+    OWN_STEPS,
+    REAL_IMAGES,
     ROWS,
     TOLERANCE,
+    Y_VALUE,
     Batches,
     Row,
     X,
     Y,
+    gan,
+    keras_can_fit,
+    scaled_loss,
     single_output,
 )
 
 import tfmp
-from tfmp.errors import UsageError
+from tfmp.errors import Preempted, UsageError
 from tfmp.training import fitting
 
 
@@ -199,29 +210,37 @@ def test_a_second_fit_in_one_process_traces_nothing_again(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_two_launched_workers_equal_model_fit(launched_workers):
+def test_two_launched_workers_equal_model_fit(launched_workers, mirrored):
     """tests/fit_rows.py's MULTI_WORKER rows run by tests/fit_worker.py in conftest's shared
-    2-worker group (one replica each) end like Keras' model.fit on one device; a generator is
-    refused there with the conversion to make."""
+    2-worker group (one replica each) end like Keras' model.fit on one device, and its
+    OWN_MULTI_WORKER rows (a model's own train_step and test_step) like Keras' fit on 2 mirrored
+    replicas; a generator is refused there with the conversion to make."""
     assert launched_workers.returncode == 0, launched_workers.tail
     for name in MULTI_WORKER:
-        keras_model = ROWS[name].build(tf.distribute.get_strategy())
-        expected = keras_model.fit(**ROWS[name].arguments(), shuffle=False, verbose=0)
-        records = [
-            r for worker in (0, 1) for r in launched_workers.records["fit_row"][worker] if r["name"] == name
-        ]
-        assert sorted(record["task"] for record in records) == [0, 1], name
-        for record in records:
-            assert (
-                record["epoch"] == expected.epoch and record["history"].keys() == expected.history.keys()
-            ), name
-            for key, values in expected.history.items():
-                np.testing.assert_allclose(record["history"][key], values, rtol=TOLERANCE, atol=TOLERANCE)
-            saved = np.load(launched_workers.out / f"row-{name}-{record['task']}.npz")
-            for index, weight in enumerate(keras_model.get_weights()):
-                np.testing.assert_allclose(saved[f"arr_{index}"], weight, rtol=TOLERANCE, atol=TOLERANCE)
+        _assert_worker_records(launched_workers, name, *_keras_fit(ROWS[name], tf.distribute.get_strategy()))
+    for name in OWN_MULTI_WORKER:  # a step of one's own logs per-replica values: Keras on 2 replicas
+        _assert_worker_records(launched_workers, name, *_keras_fit(OWN_STEPS[name], mirrored))
     refusals = [r["message"] for worker in (0, 1) for r in launched_workers.records["fit_refused"][worker]]
     assert len(refusals) == 2 and all("tf.data.Dataset" in (message or "") for message in refusals), refusals
+
+
+def _keras_fit(row: Row, strategy) -> tuple:
+    model = row.build(strategy)
+    return model.fit(**row.arguments(), shuffle=False, verbose=0), model
+
+
+def _assert_worker_records(launched_workers, name: str, expected, keras_model) -> None:
+    records = [
+        r for worker in (0, 1) for r in launched_workers.records["fit_row"][worker] if r["name"] == name
+    ]
+    assert sorted(record["task"] for record in records) == [0, 1], name
+    for record in records:
+        assert record["epoch"] == expected.epoch and record["history"].keys() == expected.history.keys(), name
+        for key, values in expected.history.items():
+            np.testing.assert_allclose(record["history"][key], values, rtol=TOLERANCE, atol=TOLERANCE)
+        saved = np.load(launched_workers.out / f"row-{name}-{record['task']}.npz")
+        for index, weight in enumerate(keras_model.get_weights()):
+            np.testing.assert_allclose(saved[f"arr_{index}"], weight, rtol=TOLERANCE, atol=TOLERANCE)
 
 
 def test_a_py_datasets_on_epoch_end_is_called_as_keras_calls_it():
@@ -255,3 +274,183 @@ def test_evaluate_and_predict_return_what_keras_returns(replicated, mirrored):
         rtol=TOLERANCE,
         atol=TOLERANCE,
     )
+
+
+@pytest.mark.parametrize("replicated", [False, True], ids=["one_device", "two_replicas"])
+@pytest.mark.parametrize("name", list(OWN_STEPS))
+def test_a_models_own_steps_run_as_model_fit_runs_them(name, replicated, mirrored):
+    """Keras' guide's patterns (fit_rows.OWN_STEPS) through tfmp.fit, evaluate and predict against
+    Keras' own on the same strategy: a step of one's own reports per-replica values (its loss
+    divided by the replicas, say), so N replicas compare with Keras on N."""
+    strategy = mirrored if replicated else tf.distribute.get_strategy()
+    row = OWN_STEPS[name]
+    keras_model, tfmp_model = row.build(strategy), row.build(strategy)
+    tfmp_model.set_weights(keras_model.get_weights())
+    if replicated and name == "gan_without_labels":
+        keras_can_fit(keras_model)
+    expected = keras_model.fit(**row.arguments(), shuffle=False, verbose=0)
+    ours = tfmp.fit(tfmp_model, **row.arguments(), shuffle=False, verbose=0)
+    _assert_same(expected, ours, keras_model, tfmp_model)
+    if name == "gan_without_labels":  # both optimizers stepped, the noise drawn as often
+        for attribute in ("d_optimizer", "g_optimizer"):
+            assert getattr(tfmp_model, attribute).iterations.numpy() == 6
+        assert (tfmp_model.seed_generator.state.numpy() == keras_model.seed_generator.state.numpy()).all()
+    if name == "own_trackers_and_test_step":
+        for return_dict in (False, True):
+            arguments = dict(x=X, y=Y_VALUE, batch_size=16, verbose=0, return_dict=return_dict)
+            np.testing.assert_allclose(
+                tf.nest.flatten(tfmp.evaluate(tfmp_model, **arguments)),
+                tf.nest.flatten(keras_model.evaluate(**arguments)),
+                rtol=TOLERANCE,
+            )
+        ours, expected = (
+            predict(model, X[:40], batch_size=16, verbose=0)
+            for predict, model in ((tfmp.predict, tfmp_model), (keras.Model.predict, keras_model))
+        )
+        assert ours.keys() == expected.keys() == {"value", "doubled"}
+        for key in expected:
+            np.testing.assert_allclose(ours[key], expected[key], rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_run_eagerly_runs_every_step_as_python_and_jit_compile_means_xla(tmp_path):
+    calls = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, inputs):
+            calls.append(tf.executing_eagerly())  # a user's print or pdb here runs when this is True
+            return inputs
+
+    def probed(**compiled):
+        with tf.distribute.get_strategy().scope():
+            keras.utils.set_random_seed(3)
+            inputs = keras.Input((FEATURES,))
+            model = keras.Model(inputs, keras.layers.Dense(CLASSES)(Probe()(inputs)))
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), **compiled)
+        return model
+
+    arguments = dict(x=X[:64], y=Y[:64], batch_size=16, shuffle=False, verbose=0)
+    expected = probed().fit(**arguments)
+    calls.clear()
+    eager = probed(run_eagerly=True)
+    history = tfmp.fit(eager, **arguments, model_dir=str(tmp_path / "eager"))
+    assert calls[-4:] == [True] * 4  # each of the 4 steps ran as Python (before them: the data check)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=TOLERANCE)
+    card = (tmp_path / "eager" / "run_card.json").read_text()
+    assert "every step runs as Python" in card
+    jitted = probed(jit_compile=True)
+    calls.clear()
+    history = tfmp.fit(jitted, **arguments, model_dir=str(tmp_path / "xla"))
+    assert calls and not any(calls)  # traced once, compiled
+    assert json.loads((tmp_path / "xla" / "run_card.json").read_text())["xla"].startswith(
+        "on (compile(jit_compile=True)"
+    )
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+class Counts(keras.metrics.Metric):
+    """A matrix result: counts of (true class, predicted class) pairs of one-hot labels."""
+
+    def __init__(self, **kwargs):
+        super().__init__(name="counts", **kwargs)
+        self.table = self.add_variable((CLASSES, CLASSES), initializer="zeros", name="table")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        pairs = tf.stack([tf.argmax(y_true, -1, tf.int32), tf.argmax(y_pred, -1, tf.int32)], 1)
+        self.table.assign_add(tf.scatter_nd(pairs, tf.ones(tf.shape(pairs)[:1]), (CLASSES, CLASSES)))
+
+    def result(self):
+        return tf.convert_to_tensor(self.table)
+
+
+def test_vector_and_matrix_metrics_are_logged_as_keras_logs_them(tmp_path, mirrored):
+    def model(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(3)
+            inputs = keras.Input((FEATURES,))
+            model = keras.Model(inputs, keras.layers.Dense(CLASSES, activation="softmax")(inputs))
+            model.compile("sgd", "categorical_crossentropy", metrics=[keras.metrics.F1Score(), Counts()])
+        return model
+
+    one_hot = np.eye(CLASSES, dtype="float32")[Y]
+    arguments = dict(x=X, y=one_hot, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    arguments["validation_data"] = (X[:32], one_hot[:32])
+    expected = model(tf.distribute.get_strategy()).fit(**arguments)
+    ours = tfmp.fit(model(mirrored), **arguments, model_dir=str(tmp_path))
+    assert ours.history.keys() == expected.history.keys()
+    for key, values in expected.history.items():
+        assert np.shape(ours.history[key]) == np.shape(values) and np.ndim(values) > 1 or key.endswith("loss")
+        np.testing.assert_allclose(ours.history[key], values, rtol=TOLERANCE, atol=TOLERANCE, err_msg=key)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = [record for record in records if record["split"] == "train"][-1]
+    assert last["counts"] == expected.history["counts"][-1].tolist()  # a matrix as lists of lists
+    assert len(last["f1_score"]) == CLASSES
+
+
+class ReturnsNoDict(keras.Model):
+    def __init__(self, returns, **kwargs):
+        super().__init__(**kwargs)
+        self.returns, self.dense = returns, keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x) - y))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"list": [loss], "none": None, "tensor": loss, "string": {"loss": "low"}}[self.returns]
+
+
+@pytest.mark.parametrize("returns", ["list", "none", "tensor", "string", "no_optimizer"])
+def test_a_step_keras_cannot_log_is_one_usage_error_naming_it_and_writes_nothing(returns, tmp_path):
+    model = ReturnsNoDict("tensor" if returns == "no_optimizer" else returns)
+    model.compile(optimizer=None if returns == "no_optimizer" else "sgd")
+    with pytest.raises(UsageError, match=r"ReturnsNoDict\.train_step") as raised:
+        tfmp.fit(model, X, Y_VALUE, batch_size=16, verbose=0, model_dir=str(tmp_path / "run"))
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_xla_with_a_models_own_step_on_two_replicas_is_refused(mirrored):
+    model = scaled_loss(mirrored)
+    with pytest.raises(UsageError, match=r"ScaledLoss\.train_step on 2 replicas.*xla=False"):
+        tfmp.fit(model, X, Y, batch_size=16, verbose=0, xla=True)
+
+
+class TerminatedAfter(keras.callbacks.Callback):
+    """A scheduler's preemption notice: SIGTERM to this process after batch `batch` of the first
+    epoch, then a pause in which tfmp's signal watcher (a thread) notes it."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+
+
+def test_a_gan_preempted_by_sigterm_resumes_to_the_uninterrupted_runs_weights(tmp_path):
+    """Both optimizers (built in the step, restored into), the seed generator's noise and the step
+    count come back: the resumed run ends where the uninterrupted one does."""
+    arguments = dict(x=REAL_IMAGES, batch_size=16, epochs=2, shuffle=False, verbose=0)  # 3 steps an epoch
+    uninterrupted = gan(tf.distribute.get_strategy())
+    tfmp.fit(uninterrupted, **arguments)
+    run = str(tmp_path / "run")
+    with pytest.raises(Preempted, match="checkpoint saved at step 3"):
+        tfmp.fit(
+            gan(tf.distribute.get_strategy()), **arguments, model_dir=run, callbacks=[TerminatedAfter(1)]
+        )
+    resumed = gan(tf.distribute.get_strategy())
+    history = tfmp.fit(resumed, **arguments, model_dir=run)
+    assert history.epoch == [1]  # step 3 ended epoch 0: the resumed run trains epoch 1
+    for attribute in ("d_optimizer", "g_optimizer"):
+        ours, theirs = getattr(resumed, attribute), getattr(uninterrupted, attribute)
+        assert ours.iterations.numpy() == theirs.iterations.numpy() == 6
+        for mine, expected in zip(ours.variables, theirs.variables):
+            np.testing.assert_allclose(mine.numpy(), expected.numpy(), rtol=TOLERANCE, atol=TOLERANCE)
+    assert (resumed.seed_generator.state.numpy() == uninterrupted.seed_generator.state.numpy()).all()
+    for mine, expected in zip(resumed.get_weights(), uninterrupted.get_weights()):
+        np.testing.assert_allclose(mine, expected, rtol=TOLERANCE, atol=TOLERANCE)

@@ -337,3 +337,98 @@ def test_cached_decoding_through_the_fused_core_equals_keras(policy):
     )
     bound = _tolerance(policy, len(fused)) * np.abs(reference).max()
     np.testing.assert_allclose(decode(), reference, rtol=0, atol=bound)
+
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "quick", "brown", "fox", "lazy", "dog", "jumps"]
+
+
+def text_classifier() -> keras.Model:
+    """keras-hub's main workflow: a BertTextClassifier with its preprocessor (a tokenizer of its
+    own vocabulary), trained on raw strings; seeded weights, no dropout."""
+    keras.utils.set_random_seed(1)
+    tokenizer = keras_hub.models.BertTokenizer(vocabulary=WORDS)
+    preprocessor = keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=TOKENS)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=len(WORDS),
+        num_layers=1,
+        num_heads=HEADS,
+        hidden_dim=WIDTH,
+        intermediate_dim=2 * WIDTH,
+        max_sequence_length=TOKENS,
+        dropout=0.0,
+    )
+    model = keras_hub.models.BertTextClassifier(
+        backbone, num_classes=2, preprocessor=preprocessor, dropout=0.0
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def image_classifier() -> keras.Model:
+    """A ViTImageClassifier whose preprocessor resizes and rescales raw 8-bit images of another size."""
+    keras.utils.set_random_seed(1)
+    converter = keras_hub.layers.ViTImageConverter(image_size=(IMAGE, IMAGE), scale=1 / 255.0)
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(IMAGE, IMAGE, 3),
+        patch_size=PATCH,
+        num_layers=1,
+        num_heads=HEADS,
+        hidden_dim=WIDTH,
+        mlp_dim=WIDTH,
+    )
+    model = keras_hub.models.ViTImageClassifier(
+        backbone, CLASSES, preprocessor=keras_hub.models.ViTImageClassifierPreprocessor(converter)
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _raw_data(kind: str):
+    rng = np.random.default_rng(0)
+    if kind == "text":
+        texts = [" ".join(rng.choice(WORDS[5:], 4)) for _ in range(32)]
+        return texts, np.array([int("fox" in text) for text in texts])
+    images = rng.integers(0, 256, size=(32, 24, 24, 3)).astype("uint8")
+    return images, (images[..., 0].mean(axis=(1, 2)) // 86).astype("int32")
+
+
+@pytest.mark.parametrize(
+    "kind, given",
+    [("text", "list"), ("text", "tf_data"), ("image", "array")],
+    ids=["strings", "dataset", "images"],
+)
+def test_a_task_that_preprocesses_in_its_own_fit_trains_through_tfmp_fit_as_there(kind, given):
+    """keras-hub's tasks (PipelineModel) map their preprocessor over the data in their own fit,
+    evaluate and predict; tfmp.fit, evaluate and predict do the same: History, weights, results
+    and predictions equal keras-hub's own."""
+    build = text_classifier if kind == "text" else image_classifier
+    x, y = _raw_data(kind)
+    ours, theirs = build(), build()
+    ours.set_weights(theirs.get_weights())
+    if given == "tf_data":
+        arguments = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    else:
+        arguments = dict(x=x, y=y, batch_size=8, validation_data=(x[:16], y[:16]))
+    expected = theirs.fit(**arguments, epochs=2, shuffle=False, verbose=0)
+    history = tfmp.fit(ours, **arguments, epochs=2, shuffle=False, verbose=0)
+    assert history.history.keys() == expected.history.keys()
+    for key, values in expected.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-5, atol=1e-6, err_msg=key)
+    for mine, their in zip(ours.get_weights(), theirs.get_weights()):
+        np.testing.assert_allclose(mine, their, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        tfmp.evaluate(ours, x, y, batch_size=8, verbose=0),
+        theirs.evaluate(x, y, batch_size=8, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        tfmp.predict(ours, x[:5], verbose=0), theirs.predict(x[:5], verbose=0), rtol=1e-5, atol=1e-6
+    )

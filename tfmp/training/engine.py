@@ -55,6 +55,7 @@ from tfmp import compat, precision
 from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
+from tfmp.training.model_steps import OwnSteps, metrics_or_logs, overridden
 
 # Status slots, summed over replicas and steps: replica-steps with non-finite loss or gradients;
 # steps run while a worker asked to stop; replicas that stopped training, and the sum of their
@@ -123,7 +124,8 @@ class Engine:
             )
         self.strategy = strategy
         self.model = model
-        self.loss_tracker = _loss_tracker(model)
+        # compile(run_eagerly=True): every loop below runs as Python, each step too (as Keras' fit).
+        self.run_eagerly = bool(model.run_eagerly)
         if optimizer is not None:
             precision.check_compiled_with(model, optimizer)
         self.optimizer = optimizer or model.optimizer
@@ -134,7 +136,7 @@ class Engine:
         self.allreduce = allreduce_plan or allreduce.resolve(
             "auto", model.dtype_policy.name, self.loss_scaling, strategy.num_replicas_in_sync
         )
-        self._local_replicas = (
+        self.local_replicas = (
             len(strategy.extended.worker_devices) if strategy.num_replicas_in_sync > 1 else 1
         )
         with contextlib.nullcontext() if self.worker_local else strategy.scope():
@@ -156,13 +158,33 @@ class Engine:
             # over a forward pass that compiles only its static-shaped parts.
             self._forward = model.compiled_forward()
         else:
-            self._forward = _traced(self._forward_fn, jit_compile=True) if xla else self._forward_fn
+            self._forward = self.traced(self._forward_fn, jit_compile=True) if xla else self._forward_fn
         self._gradients = (lambda *args: gradients(self, *args)) if gradients else self._forward_backward
-        self._train_fn = _traced(self._train_loop)
-        self._eval_fn = _traced(self._eval_loop)
-        self._infer_fn = _traced(self._infer_loop)
-        self._predict_fn = _traced(self._predict_batch)
-        self._read_fn = _traced(self._read_all)
+        self._train_fn = self.traced(self._train_loop)
+        self._eval_fn = self.traced(self._eval_loop)
+        self._infer_fn = self.traced(self._infer_loop)
+        self._predict_fn = self.traced(self._predict_batch)
+        self._read_fn = self.traced(self._read_all)
+        # The steps the model overrides (a GAN's train_step, ...) run as Keras runs them.
+        self.own = OwnSteps(self) if overridden(model) else None
+
+    def traced(self, function, jit_compile: bool = False):
+        """`function` as the engine runs it: traced without AutoGraph, or as it is (Python) when
+        the model was compiled with run_eagerly=True."""
+        return function if self.run_eagerly else _traced(function, jit_compile=jit_compile)
+
+    def _owns(self, method: str) -> bool:
+        return self.own is not None and method in self.own.methods
+
+    @functools.cached_property
+    def loss_tracker(self) -> keras.metrics.Metric:
+        """The compiled loss' tracker, which the engine's own train and test steps update (a
+        model whose own steps do its tracking needs none)."""
+        return _loss_tracker(self.model)
+
+    def note_stop_request(self, stop_requested) -> None:
+        """A replica counts this worker's stop request (SIGTERM) into the status every worker reads."""
+        self._status.assign_add(tf.one_hot(_STOPS, _SLOTS) * tf.cast(stop_requested, tf.float32))
 
     def _forward_fn(self, x, training):
         return self.model(x, training=training)
@@ -261,7 +283,7 @@ class Engine:
         all-reduce cannot sit in a replica context's tf.cond (Keras' LossScaleOptimizer does it so).
         """
         context = tf.distribute.get_replica_context()
-        summed = context.num_replicas_in_sync > self._local_replicas
+        summed = context.num_replicas_in_sync > self.local_replicas
         if summed:
             verdict = context.all_reduce(tf.distribute.ReduceOp.SUM, verdict)
         if gradients is None:
@@ -313,6 +335,8 @@ class Engine:
         )
 
     def _eval_replica_step(self, data):
+        if self._owns("test_step"):
+            return self.own.test_replica(data)
         x, y, sample_weight, valid = _unpack(data)
         y_pred = self._forward(x, False)
         loss = self._loss(x, y, y_pred, sample_weight, training=False)
@@ -359,6 +383,8 @@ class Engine:
             gatherable = tf.nest.map_structure(
                 lambda value: tf.cast(value, tf.int32) if value.dtype == tf.bool else value, data
             )
+            if self._owns("predict_step"):
+                return self.own.predict_replica(data), gatherable
             return self._forward(_unpack(data)[0], False), gatherable
 
         outputs, inputs = self.strategy.run(replica_fn, args=(data,))
@@ -382,7 +408,7 @@ class Engine:
 
     def _read(self) -> tuple[dict, np.ndarray, int]:
         metrics, status, skipped = self._read_fn()
-        return {name: float(value) for name, value in metrics.items()}, status.numpy(), int(skipped)
+        return python_logs(metrics), status.numpy(), int(skipped)
 
     def _results(self) -> dict:
         return self._read()[0]
@@ -397,10 +423,15 @@ class Engine:
         `stop_requested` (this worker got SIGTERM) shows up on every worker as
         `StepResult.stop_requests > 0`, so all of them can checkpoint at the same step.
         """
-        self._train_fn(
-            iterator, tf.constant(num_steps, tf.int64), tf.constant(float(stop_requested), tf.float32)
-        )
+        if self._owns("train_step"):
+            logs = self.own.train(iterator, num_steps, float(stop_requested))
+        else:
+            self._train_fn(
+                iterator, tf.constant(num_steps, tf.int64), tf.constant(float(stop_requested), tf.float32)
+            )
         metrics, status, skipped = self._read()
+        if self._owns("train_step"):
+            metrics = metrics_or_logs(metrics, python_logs(logs))
         self._status.assign(tf.zeros([_SLOTS], tf.float32))
         halting = float(status[_HALTING])
         return StepResult(
@@ -425,8 +456,12 @@ class Engine:
         valid)` whose `valid == 0` rows (padding to a full batch) count nowhere.
         """
         self.reset_metrics()
-        self._eval_fn(distributed_dataset)
-        results = self._results()
+        if self._owns("test_step"):
+            logs = python_logs(self.own.evaluate(distributed_dataset))
+            results = metrics_or_logs(self._results(), logs)
+        else:
+            self._eval_fn(distributed_dataset)
+            results = self._results()
         self.reset_metrics()
         return results
 
@@ -451,6 +486,16 @@ def _traced(function, jit_compile: bool = False):
     and a process's first trace skips converting it (a tiny model's first `tfmp.fit`: 1.7 CPU-s
     with AutoGraph, 0.7 without; Keras' first `fit`: 0.3)."""
     return tf.function(function, jit_compile=jit_compile, autograph=False)
+
+
+def python_logs(logs: dict) -> dict:
+    """Logs as Keras' callbacks get them (`pythonify_logs`): a number where the value holds one,
+    else the NumPy array (a vector or matrix metric, e.g. F1Score(average=None))."""
+    values = {}
+    for name, value in logs.items():
+        array = np.asarray(value)
+        values[name] = float(array.reshape(())) if array.size == 1 else array
+    return values
 
 
 def _all_finite(tensors) -> tf.Tensor:

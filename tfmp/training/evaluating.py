@@ -17,8 +17,9 @@ import tensorflow as tf
 
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
-from tfmp.training import fit_data, fit_inputs
+from tfmp.training import fit_data, fit_inputs, model_steps
 from tfmp.training.fitting import check_compiled, model_strategy, prepare
+from tfmp.training.reporting import format_logs
 
 
 def evaluate(
@@ -32,7 +33,7 @@ def evaluate(
     callbacks: list | None = None,
     return_dict: bool = False,
     *,
-    xla: bool = False,
+    xla: bool | None = None,
 ):
     """`model.evaluate` on the model's strategy: the compiled loss and metrics over the data.
 
@@ -43,11 +44,17 @@ def evaluate(
     """
     check_compiled(model)
     strategy = model_strategy(model)
-    data = fit_inputs.of(x, y, sample_weight, batch_size, False, 0, None, "evaluation data")
+    what = "evaluation data"
+    data = fit_inputs.of(
+        x, y, sample_weight, batch_size, False, 0, None, what, fit_inputs.preprocessor(model)
+    )
     if data.infinite and not steps:
-        raise UsageError("evaluation data: the dataset is endless; pass steps=")
+        raise UsageError(f"{what}: the dataset is endless; pass steps=")
+    if data.batches == 0:
+        raise UsageError(f"{what}: the data are empty")
+    own = model_steps.overridden(model)
     fit_data.check_label_types(model, data)
-    fit_data.build_for_data(model, strategy, data.element_spec)
+    fit_data.build_for_data(model, strategy, data.element_spec, deferred="test_step" in own)
     fit_data.check_label_values(model, data)
     strategy, engine, _ = prepare(model, xla)
     callback_list = keras.callbacks.CallbackList(callbacks, model=model, verbose=0)
@@ -56,7 +63,7 @@ def evaluate(
     results = engine.evaluate(strategy.experimental_distribute_dataset(dataset))
     callback_list.on_test_end(results)
     if verbose and distribute.describe(strategy).is_chief:
-        print(" - ".join(f"{name}: {value:.4f}" for name, value in results.items()), flush=True)
+        print(format_logs(results), flush=True)
     if return_dict:
         return results
     values = _in_keras_order(model, results)
@@ -79,11 +86,15 @@ def predict(model: keras.Model, x, batch_size: int | None = None, verbose="auto"
     worker gets all of them), in the input's order."""
     check_compiled(model)
     strategy = model_strategy(model)
-    data = fit_inputs.of(x, None, None, batch_size, False, 0, None, "prediction data")
+    data = fit_inputs.of(
+        x, None, None, batch_size, False, 0, None, "prediction data", fit_inputs.preprocessor(model)
+    )
     if data.infinite and not steps:
         raise UsageError("prediction data: the dataset is endless; pass steps=")
-    fit_data.build_for_data(model, strategy, data.element_spec)
-    strategy, engine, _ = prepare(model, False)
+    fit_data.build_for_data(
+        model, strategy, data.element_spec, deferred="predict_step" in model_steps.overridden(model)
+    )
+    strategy, engine, _ = prepare(model)
     dataset = data.dataset(0).take(steps) if steps else data.dataset(0)
     outputs, _ = engine.predict(strategy.experimental_distribute_dataset(dataset))
     if verbose and distribute.describe(strategy).is_chief:

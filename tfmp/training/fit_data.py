@@ -20,7 +20,7 @@ from absl import logging
 
 from tfmp import compat
 from tfmp.errors import UsageError
-from tfmp.training import fit_inputs
+from tfmp.training import fit_inputs, model_steps
 from tfmp.training.fit_inputs import FitData, x_y_weight
 
 
@@ -187,8 +187,11 @@ def _error_line(error: Exception) -> str:
     return (useful or [type(error).__name__])[0][:300]
 
 
-def build_for_data(model: keras.Model, strategy, element_spec) -> None:
-    """Builds the model, compiled loss and metrics for this data; shape mismatches are user errors."""
+def build_for_data(model: keras.Model, strategy, element_spec, deferred: bool = False) -> None:
+    """Builds the model, compiled loss and metrics for this data; shape mismatches are user errors.
+    With `deferred` (the model runs its own step, which may build what it needs, e.g. a GAN with
+    no `call`) a model Keras cannot build from the data is left to its step, as `model.fit` leaves
+    it without a strategy."""
     optimizer = getattr(model, "optimizer", None)
     variables = model.trainable_variables
     if optimizer is not None and not optimizer.built and variables:
@@ -200,6 +203,9 @@ def build_for_data(model: keras.Model, strategy, element_spec) -> None:
         with strategy.scope():
             compat.symbolic_build(model, element_spec)
     except (ValueError, TypeError, RuntimeError) as error:
+        if deferred:
+            logging.info("model %r is built by its own step (%s)", model.name, _error_line(error))
+            return
         raise UsageError(
             f"the data do not fit model {model.name!r} ({_error_line(error)}); inputs "
             f"{[tuple(i.shape) for i in model.inputs] if hasattr(model, 'inputs') else '?'} "
@@ -234,23 +240,30 @@ def steps_per_epoch_of(train: FitData, steps_per_epoch: int | None, multi_worker
 
 
 def check_data(model: keras.Model, strategy, train: FitData, validation: FitData | None) -> None:
-    """Everything about the data that would otherwise fail inside a step, or after an epoch."""
+    """Everything about the data that would otherwise fail inside a step, or after an epoch (a
+    model's own train_step and test_step are traced on the data by `Engine.own.prepare`)."""
+    own = model_steps.overridden(model)
     check_label_types(model, train)
-    build_for_data(model, strategy, train.element_spec)
+    build_for_data(model, strategy, train.element_spec, deferred="train_step" in own)
     check_label_values(model, train)
     if validation is not None:
+        if validation.batches == 0:
+            raise UsageError(f"{validation.what}: the data are empty")
         check_label_types(model, validation)
-        _check_validation_fits(model, train, validation)
+        if "test_step" not in own:
+            _check_validation_fits(model, train, validation)
         check_label_values(model, validation)
 
 
-def validation_data_of(validation_data, batch_size: int) -> FitData:
-    """Keras' `validation_data`: a dataset, a PyDataset, a generator, or (x, y[, sample_weight])."""
+def validation_data_of(validation_data, batch_size: int, preprocess=None) -> FitData:
+    """Keras' `validation_data`: a dataset, a PyDataset, a generator, or (x, y[, sample_weight]);
+    `preprocess` as `fit_inputs.of` takes it."""
+    what = "validation data"
     if fit_inputs.is_stream(validation_data):
-        return fit_inputs.of(validation_data, None, None, None, False, 0, None, "validation data")
+        return fit_inputs.of(validation_data, None, None, None, False, 0, None, what, preprocess=preprocess)
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise UsageError(
             "validation_data must be a tf.data.Dataset, a PyDataset, a generator or a tuple (x, y[, sample_weight])"
         )
     x, y, sample_weight = (tuple(validation_data) + (None,))[:3]
-    return fit_inputs.of(x, y, sample_weight, batch_size, False, 0, None, "validation data")
+    return fit_inputs.of(x, y, sample_weight, batch_size, False, 0, None, what, preprocess=preprocess)

@@ -103,8 +103,18 @@ def is_stream(x) -> bool:
     return isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or inspect.isgenerator(x)
 
 
-def of(x, y, sample_weight, batch_size, shuffle, seed, class_weight, what) -> FitData:
-    """The `FitData` of `model.fit`-style arguments (see the module docstring)."""
+def preprocessor(model: keras.Model) -> Callable | None:
+    """A model's `preprocess_samples(x, y, sample_weight)` when it preprocesses in its own `fit`
+    (keras-hub's tasks, `PipelineModel`: tokenizers, image and audio converters), else None."""
+    preprocess = getattr(model, "preprocess_samples", None)
+    return preprocess if callable(preprocess) else None
+
+
+def of(
+    x, y, sample_weight, batch_size, shuffle, seed, class_weight, what, preprocess: Callable | None = None
+) -> FitData:
+    """The `FitData` of `model.fit`-style arguments (see the module docstring); `preprocess`
+    (from `preprocessor`) maps every batch, before class weights, as keras-hub's `fit` does."""
     if isinstance(x, tf.data.Dataset):
         _no_separate("a tf.data.Dataset", what, y=y, sample_weight=sample_weight)
         data = FitData(lambda pass_index: x, what, "dataset")
@@ -116,6 +126,7 @@ def of(x, y, sample_weight, batch_size, shuffle, seed, class_weight, what) -> Fi
         raise UsageError(f"{what}: x is None; pass arrays, a tf.data.Dataset, a PyDataset or a generator")
     else:
         data = _arrays(x, y, sample_weight, batch_size, shuffle, seed, what)
+    data = with_preprocessing(data, preprocess) if preprocess else data
     return with_class_weight(data, class_weight) if class_weight else data
 
 
@@ -143,7 +154,14 @@ def _python_data(x, kind: str, shuffle: bool, what: str) -> FitData:
 
 def _as_tuples(structure):
     """Lists become tuples (tf.data reads a list as one tensor to stack: several inputs or outputs
-    given as a list of differently shaped arrays would fail)."""
+    given as a list of differently shaped arrays would fail), but a list of strings is one array
+    of them (raw text for a model that preprocesses, as keras-hub reads it)."""
+    if (
+        isinstance(structure, list)
+        and structure
+        and all(isinstance(item, (str, bytes)) for item in structure)
+    ):
+        return np.asarray(structure)
     if isinstance(structure, dict):
         return {key: _as_tuples(value) for key, value in structure.items()}
     if isinstance(structure, (list, tuple)):
@@ -184,8 +202,8 @@ def _arrays(x, y, sample_weight, batch_size, shuffle, seed, what) -> FitData:
     size = lengths.pop()
     if size == 0:
         raise UsageError(f"{what}: the arrays hold no examples")
-    elements = arrays if len(arrays) > 1 else arrays[0]
-    tensors = tf.nest.map_structure(tf.convert_to_tensor, elements)
+    # x alone is the element (x,), as Keras' array adapter packs it for a step that unpacks it.
+    tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
 
     def make(pass_index):
         rows = tf.data.Dataset.range(size)
@@ -223,6 +241,21 @@ def validation_split(x, y, sample_weight, fraction: float) -> tuple[tuple, tuple
     train = tf.nest.map_structure(lambda leaf: None if leaf is None else leaf[:split_at], arrays)
     validation = tf.nest.map_structure(lambda leaf: None if leaf is None else leaf[split_at:], arrays)
     return train, validation
+
+
+def with_preprocessing(data: FitData, preprocess: Callable) -> FitData:
+    """`data` whose batches went through `preprocess(x, y, sample_weight)` (see `preprocessor`)."""
+
+    def preprocessed(*element):
+        return preprocess(*x_y_weight(element))
+
+    return FitData(
+        lambda pass_index: data.dataset(pass_index).map(preprocessed, num_parallel_calls=tf.data.AUTOTUNE),
+        data.what,
+        data.kind,
+        repeatable=data.repeatable,
+        global_batch_size=data.global_batch_size,
+    )
 
 
 def with_class_weight(data: FitData, class_weight: dict) -> FitData:

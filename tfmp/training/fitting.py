@@ -53,7 +53,7 @@ from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError, WriteFailed
 from tfmp.precision import fused_norm
-from tfmp.training import fit_data, fit_inputs, run_card
+from tfmp.training import fit_data, fit_inputs, model_steps, run_card
 from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.engine import Engine
 from tfmp.training.loop import Loop, LoopSettings
@@ -84,7 +84,14 @@ def model_strategy(model: keras.Model) -> tf.distribute.Strategy:
 def check_compiled(model: keras.Model) -> None:
     if not isinstance(model, keras.Model):
         raise UsageError(f"tfmp.fit needs a keras.Model, got {type(model).__name__}")
-    if not getattr(model, "compiled", False) or model.optimizer is None:
+    compiled = getattr(model, "compiled", False)
+    if compiled and model.optimizer is None and "train_step" in model_steps.overridden(model):
+        raise UsageError(
+            f"{type(model).__name__}.train_step: model {model.name!r} was compiled with optimizer=None, and "
+            "tfmp needs one (its loss scaling, checkpoints and run card read it); call compile(optimizer=...) "
+            "(Keras' default 'rmsprop' will do if the step applies only optimizers of its own)"
+        )
+    if not compiled or model.optimizer is None:
         raise UsageError(
             f"model {model.name!r} is not compiled; call model.compile(optimizer, loss, "
             "metrics) (inside the strategy's scope) before tfmp.fit"
@@ -96,7 +103,7 @@ _hinted = set()  # models told once about unfused normalization
 
 def prepare(
     model: keras.Model,
-    xla: bool = False,
+    xla: bool | None = None,
     allreduce_dtype: str | None = None,
     allreduce_bucket_bytes: int = allreduce.DEFAULT_BUCKET_BYTES,
 ) -> tuple[tf.distribute.Strategy, Engine, str | None]:
@@ -104,7 +111,7 @@ def prepare(
     predict). The engine is kept on the model while the model's compilation, strategy, XLA
     setting and all-reduce stay the same, so a second call traces nothing again (as Keras keeps
     `model.train_function`); `allreduce_dtype=None` (evaluate, predict: nothing is summed) takes
-    the kept engine's, or auto."""
+    the kept engine's, or auto; `xla=None` the kept engine's, or `compile(jit_compile=...)`'s."""
     check_compiled(model)
     unfused = fused_norm.unfused(model)
     if unfused and id(model) not in _hinted:
@@ -120,6 +127,7 @@ def prepare(
         logging.warning("tfmp: %s", note)
         model.optimizer = optimizer
     kept_key, engine = getattr(model, _ENGINE_ATTRIBUTE, (None, None))
+    xla = engine.xla if xla is None and engine is not None else xla_of(model, xla)
     if allreduce_dtype is None:
         allreduce_dtype, allreduce_bucket_bytes = (
             ("auto", allreduce_bucket_bytes)
@@ -136,7 +144,15 @@ def prepare(
         strategy.num_replicas_in_sync,
         allreduce_bucket_bytes,
     )
-    key = (id(strategy), id(optimizer), xla, summing, id(model.loss), tuple(map(id, model.metrics)))
+    key = (
+        id(strategy),
+        id(optimizer),
+        xla,
+        bool(model.run_eagerly),
+        summing,
+        id(model.loss),
+        tuple(map(id, model.metrics)),
+    )
     if kept_key != key:
         engine = Engine(strategy, model, optimizer, xla=xla, allreduce_plan=summing)
         # Not a Keras attribute: set past Layer.__setattr__, which would track it for saving.
@@ -145,6 +161,18 @@ def prepare(
 
 
 _ENGINE_ATTRIBUTE = "_tfmp_engine"
+
+
+def xla_of(model: keras.Model, xla: bool | None) -> bool:
+    """Whether to compile with XLA: `xla` when given, else what `compile(jit_compile=...)` asked
+    (Keras' "auto" is off on a CPU and under a tf.distribute strategy, as in `model.fit`)."""
+    xla = bool(model.jit_compile) if xla is None else bool(xla)
+    if xla and model.run_eagerly:
+        raise UsageError(
+            f"model {model.name!r} was compiled with run_eagerly=True, which runs every step as Python, "
+            "and XLA was asked for too; use one of them (Keras' compile refuses both as well)"
+        )
+    return xla
 
 
 def fit(
@@ -169,7 +197,7 @@ def fit(
     model_dir: str | None = None,
     seed: int = 0,
     steps_per_execution: int = 1,
-    xla: bool = False,
+    xla: bool | None = None,
     allreduce_dtype: str = "auto",
     allreduce_bucket_bytes: int = allreduce.DEFAULT_BUCKET_BYTES,
     checkpoint_every: int = 0,
@@ -181,9 +209,10 @@ def fit(
 
     Takes `model.fit`'s arguments, in its order and with its defaults and meaning; tfmp's own
     come after, by keyword: `model_dir` (checkpoints, exact resume, logs), `seed` (array
-    shuffling), `steps_per_execution`, `xla`, `allreduce_dtype` and `allreduce_bucket_bytes`
-    (how the gradients are summed: `tfmp.distribute.allreduce`), `checkpoint_every`, `keep_checkpoints`,
-    `log_every`, and `show_run_card` (default: printed when `model_dir` is given and `verbose`).
+    shuffling), `steps_per_execution`, `xla` (default: what `compile(jit_compile=...)` asked),
+    `allreduce_dtype` and `allreduce_bucket_bytes` (how the gradients are summed:
+    `tfmp.distribute.allreduce`), `checkpoint_every`, `keep_checkpoints`, `log_every`, and
+    `show_run_card` (default: printed when `model_dir` is given and `verbose`).
 
     Raises `tfmp.errors.UsageError` (one line, nothing written) for arguments Keras refuses too,
     an uncompiled model, a batch not divisible by the replicas, data that do not fit the model,
@@ -203,15 +232,22 @@ def fit(
         (x, y, sample_weight), validation_data = fit_inputs.validation_split(
             x, y, sample_weight, validation_split
         )
-    train = fit_inputs.of(x, y, sample_weight, batch_size, shuffle, seed, class_weight, "training data")
+    preprocess = fit_inputs.preprocessor(model)
+    train = fit_inputs.of(
+        x, y, sample_weight, batch_size, shuffle, seed, class_weight, "training data", preprocess=preprocess
+    )
     distribute.per_replica_batch(train.global_batch_size, strategy)
     topology = distribute.describe(strategy)
     steps_per_epoch = fit_data.steps_per_epoch_of(train, steps_per_epoch, topology.workers > 1)
     validation = None
     if validation_data is not None:
-        validation = fit_data.validation_data_of(validation_data, validation_batch_size or batch_size)
+        validation = fit_data.validation_data_of(
+            validation_data, validation_batch_size or batch_size, preprocess
+        )
     fit_data.check_data(model, strategy, train, validation)
-    strategy, engine, note = prepare(model, xla, allreduce_dtype, allreduce_bucket_bytes)
+    strategy, engine, note = prepare(model, xla_of(model, xla), allreduce_dtype, allreduce_bucket_bytes)
+    if engine.own is not None:  # the model's own steps: traced now, so their mistakes write nothing
+        engine.own.prepare(*(_distributed_spec(strategy, data) for data in (train, validation)))
     verbose = verbose if topology.is_chief else 0  # one progress bar for the whole job
     settings = LoopSettings(
         total_steps=epochs * steps_per_epoch,
@@ -229,7 +265,7 @@ def fit(
             checkpoints, reporter = _open_run_files(stack, model, engine, model_dir, keep_checkpoints, train)
             start_step = checkpoints.restore() if checkpoints else 0  # 0: nothing saved yet
             start_step = start_step or initial_epoch * steps_per_epoch
-            card = run_card.describe_fit(model, engine, topology, settings, start_step, xla, note, model_dir)
+            card = run_card.describe_fit(model, engine, topology, settings, start_step, note, model_dir)
             reporter.run_card(card)
             if show_run_card or (show_run_card is None and model_dir and verbose):
                 print(format_run_card(card), flush=True)
@@ -255,6 +291,11 @@ def fit(
         raise write_faults.with_resume(error, saved_step, location, rerun) from error.__cause__
     distribute.barrier(strategy)  # last: after it a worker only returns and exits
     return result.history
+
+
+def _distributed_spec(strategy: tf.distribute.Strategy, data):
+    """The element spec of `data` (a FitData, or None) as the strategy distributes it."""
+    return None if data is None else strategy.experimental_distribute_dataset(data.dataset(0)).element_spec
 
 
 def _check_arguments(epochs, initial_epoch, steps_per_epoch, steps_per_execution, validation_freq) -> None:

@@ -36,7 +36,7 @@ from tfmp.errors import EXIT_PREEMPTED, NonFiniteInput, PeerLost, Preempted, Tra
 from tfmp.precision import loss_scaling
 from tfmp.training.checkpoint import Checkpoints
 from tfmp.training.engine import Engine
-from tfmp.training.reporting import Reporter
+from tfmp.training.reporting import Reporter, format_logs
 
 
 class StepHook(Protocol):
@@ -320,9 +320,7 @@ class Loop:
         if results is None:
             return None
         self.reporter.scalars(step, "eval", results)
-        self.reporter.message(
-            "  eval: " + ", ".join(f"{name} {value:.4f}" for name, value in results.items())
-        )
+        self.reporter.message("  eval: " + format_logs(results, separator=" ", joined_by=", "))
         return results
 
     def _save(self, step: int) -> None:

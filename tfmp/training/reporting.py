@@ -23,6 +23,7 @@ import sys
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
@@ -32,6 +33,17 @@ from tfmp.errors import WriteFailed
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 ).SerializeToString()
+
+
+def format_logs(values: dict, separator: str = ": ", joined_by: str = " - ") -> str:
+    """`name: 0.1234 - other: [0.5 0.25]`: numbers to 4 decimals, vector or matrix metrics as arrays."""
+
+    def shown(value) -> str:
+        if np.ndim(value) == 0:
+            return f"{value:.4f}"
+        return np.array2string(np.asarray(value), precision=4, separator=", ")
+
+    return joined_by.join(f"{name}{separator}{shown(value)}" for name, value in values.items())
 
 
 def format_run_card(card: dict) -> str:
@@ -74,17 +86,20 @@ class Reporter:
         return self._writers[split]
 
     def scalars(self, step: int, split: str, values: dict) -> None:
-        """Logs `values` (name -> number) at `step` to metrics.jsonl and TensorBoard."""
+        """Logs `values` (name -> number, or a NumPy array: a vector or matrix metric) at `step`
+        to metrics.jsonl (arrays as lists) and TensorBoard (numbers only)."""
         if not self.model_dir:
             return
         record = {"step": step, "split": split, "time": round(time.time(), 3), **self.tags}
-        record.update({k: float(v) for k, v in values.items()})
+        record.update({k: np.asarray(v, np.float64).tolist() for k, v in values.items()})
         with write_faults.guarded(f"logging step {step}", os.path.join(self.model_dir, run_dir.METRICS_FILE)):
             self._metrics().write(json.dumps(record) + "\n")
             self._metrics().flush()
         with write_faults.guarded(f"logging step {step}", os.path.join(self.model_dir, "tensorboard", split)):
             with self._writer(split).as_default(step=step):
                 for name, value in values.items():
+                    if np.ndim(value):
+                        continue  # a vector or matrix: metrics.jsonl has it
                     # tf.summary.scalar lives in the tensorboard package, which TF 2.21 no longer
                     # installs; the raw write op plus the scalars-plugin tag is all it does.
                     tf.summary.write(name, tf.constant(float(value), tf.float32), metadata=_SCALAR_METADATA)

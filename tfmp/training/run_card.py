@@ -1,7 +1,7 @@
 """The run card of a run: every setting that decides speed and numerics, as `key: value` rows.
 
     card = run_card.describe(config, plan, model, engine, start_step, shard_policies, model_dir, task)
-    card = run_card.describe_fit(model, engine, topology, settings, start_step, xla, note, model_dir)
+    card = run_card.describe_fit(model, engine, topology, settings, start_step, note, model_dir)
 
 `train_and_evaluate` prints it at the start and writes it as run_card.json (see `Reporter.run_card`),
 with the pruning and pipeline rows (`pipeline_rows`) when the run has them.
@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmp import precision
 from tfmp.distribute import allreduce
 from tfmp.precision import fused_norm
+from tfmp.training import model_steps
 from tfmp.training.config import TrainConfig
 
 FUSE_HINT = (
@@ -96,6 +98,10 @@ def pipeline_rows(stages, workers: int) -> dict:
 
 def allreduce_row(engine) -> str:
     """The gradients' sum: dtype, buckets, why, and the bytes each replica sends per step."""
+    if engine.own is not None and "train_step" in engine.own.methods:
+        return (
+            "in the model's own train_step: its optimizers sum the gradients in float32 (Keras' all-reduce)"
+        )
     plan = engine.allreduce
     sent = allreduce.gradient_bytes(engine.model.trainable_variables, plan.dtype)
     calls = len(allreduce.buckets(engine.model.trainable_variables, plan.dtype, plan.bucket_bytes))
@@ -105,13 +111,13 @@ def allreduce_row(engine) -> str:
     )
 
 
-def describe_fit(model, engine, topology, settings, start_step, xla, note, model_dir) -> dict:
+def describe_fit(model, engine, topology, settings, start_step, note, model_dir) -> dict:
     """The run card of a `tfmp.fit` call (`settings`: its LoopSettings)."""
     global_batch_size, steps_per_epoch = settings.global_batch_size, settings.steps_per_epoch
     policy = model.dtype_policy.name
     compute = sorted(precision.model_compute_dtypes(model))
     card = {
-        "model": f"{model.name} ({model.count_params():,} parameters)",
+        "model": f"{model.name} ({_parameters(model):,} parameters)",
         "precision": f"{policy} (layers compute in {', '.join(compute) or 'n/a'})",
         "output dtype": ", ".join(sorted({str(t.dtype) for t in tf.nest.flatten(model.outputs)}))
         if getattr(model, "outputs", None)
@@ -126,7 +132,13 @@ def describe_fit(model, engine, topology, settings, start_step, xla, note, model
         "per-replica batch": global_batch_size // topology.replicas,
         "steps": f"{settings.total_steps} ({settings.total_steps // steps_per_epoch} epoch(s) x "
         f"{steps_per_epoch}), from step {start_step}",
-        "xla": f"on ({engine.xla_parts})" if xla else "off",
+        "xla": _xla_row(model, engine),
+        **(
+            {"run eagerly": "yes (compile(run_eagerly=True)): every step runs as Python"}
+            if engine.run_eagerly
+            else {}
+        ),
+        **({"own steps": model_steps.describe(model)} if engine.own is not None else {}),
         "all-reduce": allreduce_row(engine),
         "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
         "model dir": os.path.abspath(model_dir) if model_dir else "none (no checkpoints or logs)",
@@ -137,6 +149,23 @@ def describe_fit(model, engine, topology, settings, start_step, xla, note, model
     if unfused:
         card["normalization"] = f"{len(unfused)} layer(s) on Keras' layer; {FUSE_HINT}"
     return card
+
+
+def _xla_row(model, engine) -> str:
+    if not engine.xla:
+        return "off"
+    where = (
+        "the whole step per replica"
+        if engine.own is not None and "train_step" in engine.own.methods
+        else engine.xla_parts
+    )
+    asked = " (compile(jit_compile=True))" if model.jit_compile else ""
+    return f"on{asked} ({where})"
+
+
+def _parameters(model) -> int:
+    """Keras' count_params, also for a model that is built only in its own step (a GAN)."""
+    return sum(int(np.prod(weight.shape)) for weight in model.weights)
 
 
 def _describe_loss(model) -> str:
