@@ -40,6 +40,7 @@ from fit_rows import (
 )
 
 import tfmp
+from tfmp import precision as tfmp_precision
 from tfmp.errors import Preempted, UsageError
 from tfmp.training import fitting
 
@@ -454,3 +455,42 @@ def test_a_gan_preempted_by_sigterm_resumes_to_the_uninterrupted_runs_weights(tm
     assert (resumed.seed_generator.state.numpy() == uninterrupted.seed_generator.state.numpy()).all()
     for mine, expected in zip(resumed.get_weights(), uninterrupted.get_weights()):
         np.testing.assert_allclose(mine, expected, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+class LossScaledStep(keras.Model):
+    """The guide's train_step as Keras' own is written: `self.optimizer.scale_loss`, then `apply`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            scaled = self.optimizer.scale_loss(loss)
+        self.optimizer.apply(tape.gradient(scaled, self.trainable_variables), self.trainable_variables)
+        return self.compute_metrics(x, y, y_pred)
+
+
+def test_a_models_own_step_under_float16_gets_the_replica_safe_loss_scaler(mirrored, tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    with mirrored.scope():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((FEATURES,))
+        model = LossScaledStep(
+            inputs, keras.layers.Dense(CLASSES, dtype="float32")(keras.layers.Dense(8)(inputs))
+        )
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # An overflow on replica 1 alone (rows 8..15): 1e5 is finite in float32, beyond float16's 65504.
+    before = [[value.numpy() for value in weight.value.values] for weight in model.trainable_weights]
+    poisoned = X[:16].copy()
+    poisoned[8:] = 1e5
+    tfmp.fit(model, poisoned, Y[:16], batch_size=16, verbose=0, model_dir=str(tmp_path))
+    assert isinstance(
+        model.optimizer, tfmp_precision.LossScaleOptimizer
+    )  # what Keras' compile gave, made safe
+    for weight, copies in zip(model.trainable_weights, before):
+        for replica_value, start in zip(weight.value.values, copies):
+            np.testing.assert_array_equal(replica_value.numpy(), start)  # skipped on both replicas
+    assert tfmp_precision.current_loss_scale(model.optimizer) == 16384.0
+    card = json.loads((tmp_path / "run_card.json").read_text())
+    assert card["own steps"].startswith("LossScaledStep.train_step run per replica")
+    assert "do not apply" in card["own steps"] and "loss scaling applies" in card["own steps"]
