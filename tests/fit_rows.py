@@ -175,12 +175,19 @@ class ScaledLoss(keras.Model):
 class OwnTrackers(keras.Model):
     """The guide's lower-level pattern: compile(optimizer) only, its own loss and metric trackers
     (a `metrics` property), a test_step whose logs are not its metrics' names, and a
-    predict_step that returns a dict."""
+    predict_step that returns a dict; subclassed, its layers built on the first call (seeded
+    initializers: two copies start alike whenever each is built)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self):
+        super().__init__()
+        seeded = {"kernel_initializer": keras.initializers.GlorotUniform(seed=3)}
+        self.hidden = keras.layers.Dense(8, activation="tanh", **seeded)
+        self.value = keras.layers.Dense(1, **seeded)
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.mae = keras.metrics.MeanAbsoluteError(name="mae")
+
+    def call(self, inputs):
+        return self.value(self.hidden(inputs))
 
     @property
     def metrics(self):
@@ -268,10 +275,7 @@ def scaled_loss(strategy):
 
 def own_trackers(strategy):
     with strategy.scope():
-        keras.utils.set_random_seed(3)
-        inputs = keras.Input((FEATURES,))
-        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
-        model = OwnTrackers(inputs, keras.layers.Dense(1)(hidden))
+        model = OwnTrackers()
         model.compile(optimizer=keras.optimizers.Adam(0.01))
     return model
 

@@ -66,6 +66,8 @@ def model_strategy(model: keras.Model) -> tf.distribute.Strategy:
     owner = getattr(variables[0].value, "distribute_strategy", None) if variables else None
     if owner is None and variables and isinstance(variables[0].value, tf.distribute.DistributedValues):
         owner = variables[0].value._distribute_strategy
+    if not variables:  # built on its first call: the scope Keras saw it made in (or the active one)
+        owner = model.distribute_strategy
     active = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
     if owner is not None and active is not None and owner is not active:
         raise UsageError(
