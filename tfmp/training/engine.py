@@ -32,7 +32,10 @@ does what Keras' own `train_step` does, so the numbers are Keras' numbers:
   scaler skips a non-finite step itself. A step that stops the run (non-finite without a loss
   scaler, or non-finite inputs) ends the host call, so the model keeps the weights of the step
   before; `StepResult.halted_at` names that step for the loop;
-- `steps_per_execution` steps run in one `tf.function` call (a `tf.while_loop`; no AutoGraph);
+- `steps_per_execution` steps run in one `tf.function` call (a `tf.while_loop`; no AutoGraph),
+  or as Python when the model was compiled with `run_eagerly=True`;
+- a model that overrides `train_step`, `test_step` or `predict_step` has its own method run in
+  place of the step above, per replica and in the same host calls (`model_steps.OwnSteps`);
 - worker-local variables (a pipeline on every worker: MultiWorkerMirroredStrategy with one
   replica per worker, the model and optimizer made outside its scope so each stage's variables
   sit on its stage's device): the replica all-reduces its gradients itself, one collective per
