@@ -25,12 +25,12 @@ def _data(seed=0):
     return x, y
 
 
-def single_output(strategy):
+def single_output(strategy, model_class=keras.Model):
     with strategy.scope():
         keras.utils.set_random_seed(3)
         inputs = keras.Input((FEATURES,), name="features")
         hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
-        model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="logits")(hidden))
+        model = model_class(inputs, keras.layers.Dense(CLASSES, name="logits")(hidden))
         model.compile(
             keras.optimizers.SGD(0.1),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -260,17 +260,7 @@ class GAN(keras.Model):
 
 
 def scaled_loss(strategy):
-    with strategy.scope():
-        keras.utils.set_random_seed(3)
-        inputs = keras.Input((FEATURES,))
-        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
-        model = ScaledLoss(inputs, keras.layers.Dense(CLASSES)(hidden))
-        model.compile(
-            keras.optimizers.SGD(0.1),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-    return model
+    return single_output(strategy, ScaledLoss)
 
 
 def own_trackers(strategy):

@@ -360,12 +360,7 @@ def text_classifier() -> keras.Model:
     model = keras_hub.models.BertTextClassifier(
         backbone, num_classes=2, preprocessor=preprocessor, dropout=0.0
     )
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return _compiled(model)
 
 
 def image_classifier() -> keras.Model:
@@ -383,12 +378,16 @@ def image_classifier() -> keras.Model:
     model = keras_hub.models.ViTImageClassifier(
         backbone, CLASSES, preprocessor=keras_hub.models.ViTImageClassifierPreprocessor(converter)
     )
-    model.compile(
+    return _compiled(model)
+
+
+def _compiled(task: keras.Model) -> keras.Model:
+    task.compile(
         optimizer=keras.optimizers.SGD(0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    return model
+    return task
 
 
 def _raw_data(kind: str):
@@ -400,6 +399,7 @@ def _raw_data(kind: str):
     return images, (images[..., 0].mean(axis=(1, 2)) // 86).astype("int32")
 
 
+@pytest.mark.slow  # 10-15 s each: keras-hub's own fit, then tfmp's, twice over
 @pytest.mark.parametrize(
     "kind, given",
     [("text", "list"), ("text", "tf_data"), ("image", "array")],
