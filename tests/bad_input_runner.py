@@ -2,7 +2,8 @@
 
     python tests/bad_input_runner.py CASES.json RESULTS.json
 
-CASES.json: {"app": "classify", "tree": DIR, "logs": DIR, "cases": [{"args": [...], "env": {...}}]}.
+CASES.json: {"app": "classify", "tree": DIR, "logs": DIR, "cases": [{"args": [...], "env": {...}}]};
+a case may also name files to remove before it runs ("remove": [...]).
 This process imports `apps.<app>` (and TensorFlow) once; each case then runs in a child forked
 from it, before any TensorFlow runtime exists, so every case starts from unparsed flags and an
 uninitialised runtime exactly like `python -m apps.<app> ARGS` (logical CPU devices, strategies
@@ -68,6 +69,8 @@ def main(cases_path: str, results_path: str) -> None:
         workdir = os.path.join(tree, f"case{index}")
         os.makedirs(workdir)
         stdout, stderr = (os.path.join(logs, f"{app}{index}.{name}") for name in ("out", "err"))
+        for path in case.get("remove", []):
+            os.remove(path)
         before = snapshot(tree)
         child = os.fork()
         if child == 0:

@@ -1,15 +1,22 @@
 """Every bad input is refused before work starts: one `error:` line naming the value, exit 2,
-no traceback, nothing written (the README's promise), across the apps, the launcher and the API.
+no traceback, nothing written (the README's promise), across the apps, the launcher and the API;
+and every bad file that can only show once work started ends in one line with its documented
+exit status, nothing half-written, and the next run resumes (RUN_CASES), or, where a user
+expects it, works.
 
 The app cases run through tests/bad_input_runner.py: one process per app imports it once and
 forks a child per case, so each case sees fresh flags and a fresh TensorFlow runtime for a
-fraction of a process start. Placeholders in the arguments: FIXTURES (files this module writes:
-a corrupt image folder, broken COCO files, a fake run, ...), HOME (the cases' home directory).
+fraction of a process start; the runs of RUN_CASES have a runner of their own, beside the
+classify refusals. Placeholders in the arguments: FIXTURES (files this module writes: a corrupt
+image folder, broken COCO files, a fake run, ...), HOME (the cases' home directory), WORK (the
+runs' model dirs).
 """
 
 import json
 import os
+import re
 import shutil
+import types
 
 import keras
 import numpy as np
@@ -22,6 +29,7 @@ import tfmp
 from tfmp import optim, run_dir
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
+from tfmp.input import decoding
 
 TF_CONFIG_INDEX_3 = '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}'
 TF_CONFIG_TWO_WORKERS = (
@@ -123,6 +131,12 @@ APP_CASES = [
     ("classify", ["--model_dir=FIXTURES/looping"], {}, "FIXTURES/looping is a symlink loop"),
     ("classify", ["--dataset=folder:FIXTURES/missing"], {}, "does not exist"),
     ("classify", ["--dataset=folder:FIXTURES/corrupt_folder"], {}, "bad.jpg"),
+    (  # a name that is not UTF-8: shown with its bytes escaped
+        "classify",
+        ["--dataset=folder:FIXTURES/bytes_folder"],
+        {},
+        "1 file(s) are not readable images, first FIXTURES/bytes_folder/square/\\xff\\xfe_bad.png (starts with",
+    ),
     (
         "classify",
         ["--dataset=folder:FIXTURES/bomb_folder"],
@@ -240,6 +254,59 @@ LAUNCH_CASES = [
 ]
 
 
+# Runs that start and must end in one line, or finish where a user expects them to (WORK: their
+# model dirs). seed 1: the damaged PNG is in step 5's batch, after the checkpoint of step 3.
+ODD_RUN = [
+    *("--dataset=folder:FIXTURES/odd_folder", "--image_size=8", "--model=mnist_mlp", "--global_batch_size=4"),
+    *("--steps=8", "--checkpoint_every=3", "--log_every=1", "--seed=1", "--model_dir=WORK/odd"),
+]
+
+
+def _trained_every_file_but_the_damaged_one(result, work, fixtures):
+    run = work / "odd"  # WebP files (one RGBA, named .png) and names that are not UTF-8 trained too
+    assert "3 classes, 30 train / 3 eval" in json.loads((run / run_dir.RUN_CARD_FILE).read_text())["dataset"]
+    assert (run / run_dir.MODEL_FILE).is_file()
+
+
+def _predicted_both(result, work, fixtures):
+    records = [json.loads(line) for line in result["stdout"].splitlines()]
+    assert [record["image"] for record in records] == [
+        f"{fixtures}/\udcff\udcfe_ok.png",
+        f"{fixtures}/rgba.webp",
+    ]
+    assert all(len(record["top_k"]) == 3 for record in records)
+
+
+# (app, arguments, extra (remove: files to delete first), exit status, the text of the one line
+# it ends on (None: it succeeds), what else must hold)
+RUN_CASES = [
+    (
+        "classify",
+        ODD_RUN,
+        {},
+        6,
+        "odd_folder/square/damaged.png does not decode (Invalid PNG data, size ",
+        None,
+    ),
+    (
+        "classify",
+        ODD_RUN,
+        {"remove": ["FIXTURES/odd_folder/square/damaged.png"]},
+        0,
+        None,
+        _trained_every_file_but_the_damaged_one,
+    ),
+    (
+        "predict",
+        ["--model=FIXTURES/run", "FIXTURES/\udcff\udcfe_ok.png", "FIXTURES/rgba.webp"],
+        {},
+        0,
+        None,
+        _predicted_both,
+    ),
+]
+
+
 def _write_fixtures(fixtures) -> None:
     """The files the cases point at: written once, and checked unchanged after every case."""
     fixtures.mkdir(parents=True)
@@ -280,46 +347,101 @@ def _write_fixtures(fixtures) -> None:
     shutil.copytree(fixtures / "corrupt_folder", fixtures / "bomb_folder")
     os.remove(fixtures / "bomb_folder" / "square" / "bad.jpg")
     write_zero_png(fixtures / "bomb_folder" / "square" / "bomb.png", 20000, 20000)
-    for name, text in (("bad_json_export", '{"kind": '), ("unknown_kind_export", '{"kind": "segmenter"}')):
+    exports = {"bad_json_export": '{"kind": ', "unknown_kind_export": '{"kind": "segmenter"}'}
+    for name, text in exports.items():
         (fixtures / name).mkdir()
         (fixtures / name / run_dir.EXPORT_METADATA_FILE).write_text(text)
         (fixtures / name / run_dir.MODEL_FILE).write_bytes(whole)
+    _write_odd_files(fixtures, rng)
+
+
+def _image(path, rng, channels=3, size=8, **save):
+    """A random image at `path` (bytes or str: a name need not be UTF-8), in the format `save` says."""
+    pixels = (rng.random((size, size, channels)) * 255).astype(np.uint8)
+    Image.fromarray(pixels, "RGBA" if channels == 4 else "RGB").save(os.fsdecode(path), **save)
+
+
+def _write_odd_files(fixtures, rng) -> None:
+    """Names that are not UTF-8, WebP files (an RGBA one named .png), a PNG damaged in its middle."""
+    folder = os.fsencode(fixtures / "odd_folder")
+    for name in (b"circle", b"square", b"\xff\xfe_class"):
+        os.makedirs(os.path.join(folder, name))
+        for index in range(10):
+            _image(os.path.join(folder, name, b"%d.png" % index), rng)
+    square = os.path.join(folder, b"square")
+    _image(os.path.join(square, b"\xff\xfe_name.png"), rng)
+    _image(os.path.join(square, b"z.png"), rng, channels=4, format="WEBP")
+    _image(os.path.join(square, b"w.webp"), rng)
+    damaged = os.path.join(square, b"damaged.png")  # its ends whole: it passes the check before the run
+    _image(damaged, rng, size=64)
+    with open(damaged, "r+b") as file:
+        file.seek(os.path.getsize(damaged) // 2)
+        file.write(bytes(200))
+    _image(os.path.join(os.fsencode(fixtures), b"\xff\xfe_ok.png"), rng, size=16)
+    _image(fixtures / "rgba.webp", rng, channels=4, size=16)
+    shutil.copytree(fixtures / "bomb_folder", fixtures / "bytes_folder")
+    os.remove(fixtures / "bytes_folder" / "square" / "bomb.png")
+    with open(
+        os.path.join(os.fsencode(fixtures / "bytes_folder" / "square"), b"\xff\xfe_bad.png"), "w"
+    ) as file:
+        file.write("<html>404</html>")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every app case (one runner process per app) and every launcher case, started at once."""
+    """Every app case (one runner process per app, and one for the classifier runs) and every
+    launcher case, started at once."""
     base = tmp_path_factory.mktemp("bad_inputs")
     tree, logs = base / "tree", base / "logs"
-    fixtures, home = tree / "fixtures", tree / "home"
+    # WORK inside the runs' runner tree: `written` lists what each run wrote there.
+    fixtures, home, work = tree / "fixtures", tree / "home", tree / "classify-runs" / "work"
     _write_fixtures(fixtures)
-    home.mkdir()
-    logs.mkdir()
-    by_app, started = {}, []
+    for folder in (home, logs):
+        folder.mkdir()
+
+    def placed(text):
+        return text.replace("FIXTURES", str(fixtures)).replace("WORK", str(work))
+
+    by_runner, started = {}, []
     for index, (app, args, env, _) in enumerate(APP_CASES):
-        args = [arg.replace("FIXTURES", str(fixtures)) for arg in args]
-        by_app.setdefault(app, []).append((index, {"args": args, "env": {"HOME": str(home), **env}}))
-    for app, cases in by_app.items():
-        spec = {"app": app, "tree": str(tree / app), "logs": str(logs), "cases": [case for _, case in cases]}
-        (tree / app).mkdir()
-        (base / f"{app}.json").write_text(json.dumps(spec))
-        runner = start_python(
+        case = {"args": [placed(arg) for arg in args], "env": {"HOME": str(home), **env}}
+        by_runner.setdefault((app, app), []).append((("app", index), case))
+    for index, (app, args, extra, *_) in enumerate(RUN_CASES):
+        case = {"args": [placed(arg) for arg in args], "env": {"HOME": str(home)}, **extra}
+        case["remove"] = [placed(path) for path in extra.get("remove", [])]
+        runner = f"{app}-runs" if app == "classify" else app  # beside the classify refusals
+        by_runner.setdefault((runner, app), []).append((("run", index), case))
+    for (runner, app), cases in by_runner.items():
+        spec = {
+            "app": app,
+            "tree": str(tree / runner),
+            "logs": str(logs),
+            "cases": [case for _, case in cases],
+        }
+        (tree / runner).mkdir()
+        (base / f"{runner}.json").write_text(json.dumps(spec))
+        process = start_python(
             [
                 os.path.join(ROOT, "tests", "bad_input_runner.py"),
-                str(base / f"{app}.json"),
-                str(base / f"{app}.results.json"),
+                str(base / f"{runner}.json"),
+                str(base / f"{runner}.results.json"),
             ]
         )
-        started.append((app, cases, runner))
+        started.append((runner, cases, process))
     launched = [start_python(["-m", "tfmp.launch", *args], env=env) for args, env, _ in LAUNCH_CASES]
     results = {}
-    for app, cases, runner in started:
-        finished = finish(runner)
+    for runner, cases, process in started:
+        finished = finish(process)
         assert finished.returncode == 0, finished.stderr[-3000:]
-        found = json.loads((base / f"{app}.results.json").read_text())
-        results.update({index: result for (index, _), result in zip(cases, found)})
+        found = json.loads((base / f"{runner}.results.json").read_text())
+        results.update({key: result for (key, _), result in zip(cases, found)})
     launches = [finish(process) for process in launched]
-    return results, launches, str(fixtures)
+    return types.SimpleNamespace(
+        apps=results,
+        launches=launches,
+        fixtures=str(fixtures),
+        work=work,
+    )
 
 
 def _assert_one_error_line(returncode, stderr, message):
@@ -336,9 +458,8 @@ def _assert_one_error_line(returncode, stderr, message):
     ids=[f"{app}:{' '.join(args) or 'no flags'}" for app, args, *_ in APP_CASES],
 )
 def test_app_refuses_with_one_line_and_writes_nothing(runs, case):
-    results, _, fixtures = runs
-    result = results[case]
-    message = APP_CASES[case][3].replace("FIXTURES", fixtures)
+    result = runs.apps[("app", case)]
+    message = APP_CASES[case][3].replace("FIXTURES", runs.fixtures)
     _assert_one_error_line(result["returncode"], result["stderr"], message)
     assert not result["written"], result["written"]
 
@@ -346,10 +467,33 @@ def test_app_refuses_with_one_line_and_writes_nothing(runs, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(LAUNCH_CASES)), ids=[" ".join(args) for args, *_ in LAUNCH_CASES])
 def test_launcher_refuses_with_one_line(runs, case):
-    _, launches, _ = runs
-    result = launches[case]
+    result = runs.launches[case]
     _assert_one_error_line(result.returncode, result.stderr, LAUNCH_CASES[case][2])
     assert "[launch]" not in result.stdout  # no worker was started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    range(len(RUN_CASES)),
+    ids=[f"{app}:{' '.join(args)}:{extra or ''}" for app, args, extra, *_ in RUN_CASES],
+)
+def test_a_run_ends_in_one_line_or_works(runs, case):
+    """A fault mid-run (a damaged file) is one line with its exit status and nothing half-written,
+    and the next run resumes; odd but valid input works."""
+    result = runs.apps[("run", case)]
+    _, _, _, code, message, check = RUN_CASES[case]
+    output = result["stdout"][-3000:] + result["stderr"][-3000:]
+    assert result["returncode"] == code and "Traceback" not in result["stderr"], output
+    if message is None:
+        assert not re.search(r"^(error|preempted|interrupted):", result["stderr"], re.MULTILINE), output
+    else:
+        lines = result["stderr"].strip().splitlines()
+        message = message.replace("WORK", str(runs.work))
+        assert len(lines) == 1 and re.match(r"(error|preempted): ", lines[0]) and message in lines[0], output
+    assert all(f"{path}/".startswith(f"{runs.work}/") for path in result["written"]), result["written"]
+    if check is not None:
+        check(result, runs.work, runs.fixtures)
 
 
 # The Python API: a UsageError naming the value, raised before anything is written.
@@ -387,3 +531,35 @@ def test_api_refuses_before_writing(tmp_path, case):
         call(tmp_path)
     assert message in str(raised.value) and "\n" not in str(raised.value)
     assert sorted(os.listdir(tmp_path)) == ["a_file", "dangling"]
+
+
+def test_the_file_a_decode_error_came_from_is_named(tmp_path):
+    """TensorFlow's error names the op, not the file: the run finds the file among its dataset's
+    (by the size a PNG's error gives, first) and says what is wrong with it in its one line."""
+    rng = np.random.default_rng(0)
+    for name in ("a.png", "b.png", "gone.png"):
+        _image(tmp_path / name, rng)
+    _image(tmp_path / "damaged.png", rng, size=64)
+    with open(tmp_path / "damaged.png", "r+b") as file:
+        file.seek(os.path.getsize(tmp_path / "damaged.png") // 2)
+        file.write(bytes(200))
+    paths = [str(tmp_path / name) for name in ("a.png", "b.png", "damaged.png", "gone.png")]
+
+    def decoded(paths):
+        return list(
+            tf.data.Dataset.from_tensor_slices(paths).map(lambda path: decoding.decode(tf.io.read_file(path)))
+        )
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        decoded(paths)
+    path, reason = decoding.failing_file(paths, raised.value)
+    assert path == paths[2] and reason.startswith("Invalid PNG data, size ")
+    assert "damaged.png does not decode (Invalid PNG data" in decoding.stopped_by("folder:x", path, reason)
+    os.remove(paths[3])
+    with pytest.raises(tf.errors.NotFoundError) as raised:
+        decoded(paths[3:])
+    path, reason = decoding.failing_file(paths[:2] + paths[3:], raised.value)
+    assert path == paths[3] and "gone.png disappeared while the run read it" in decoding.stopped_by(
+        "d", path, reason
+    )
+    assert decoding.failing_file(paths[:2], tf.errors.InvalidArgumentError(None, None, "no file's")) is None

@@ -35,7 +35,7 @@ import tensorflow as tf
 from tfmp import precision as _precision  # noqa: F401  registers the loss-scale optimizer a run saves
 from tfmp import run_dir
 from tfmp.errors import UsageError
-from tfmp.input import image_files
+from tfmp.input import decoding, image_files
 from tfmp.serving import layers as _layers  # noqa: F401  registers FoldedBatchNorm for exported .keras
 from tfmp.serving import trust
 
@@ -94,19 +94,21 @@ def read_images(
     images = []
     for path in paths:
         if os.path.isdir(path):
-            raise UsageError(f"image {path!r} is a directory; give image files, e.g. {path}/*.png")
+            raise UsageError(
+                f"image '{decoding.shown(path)}' is a directory; give image files, e.g. {path}/*.png"
+            )
         too_large = image_files.oversized(path, max_pixels)
         if too_large:
             raise UsageError(
-                f"image {path!r} is {too_large}; shrink it, or raise --max_image_pixels (0: no limit)"
+                f"image '{decoding.shown(path)}' is {too_large}; shrink it, or raise --max_image_pixels (0: no limit)"
             )
-        try:
-            raw = tf.io.decode_image(
-                tf.io.read_file(path), channels=preprocessing.channels, expand_animations=False
-            )
+        try:  # as training decodes: a WebP's alpha dropped, the model's channels whatever the file's
+            raw = decoding.decode(tf.io.read_file(decoding.tf_path(path)), preprocessing.channels)
         except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError, ValueError) as error:
             reason = "no such file" if isinstance(error, tf.errors.NotFoundError) else "not a decodable image"
-            raise UsageError(f"image {path!r}: {reason}; give jpg, png, bmp or gif files") from None
+            raise UsageError(
+                f"image '{decoding.shown(path)}': {reason}; give jpg, png, bmp, gif or webp files"
+            ) from None
         # Resized from the decoded integers: a large photo is never held as full-size float32.
         images.append(image_files.unit_float(raw, (preprocessing.height, preprocessing.width)).numpy())
     return (
