@@ -1,8 +1,8 @@
 """Every bad input is refused before work starts: one `error:` line naming the value, exit 2,
 no traceback, nothing written (the README's promise), across the apps, the launcher and the API;
-and every bad file that can only show once work started ends in one line with its documented
-exit status, nothing half-written, and the next run resumes (RUN_CASES), or, where a user
-expects it, works.
+and every bad file or signal that can only show once work started ends in one line with
+its documented exit status, nothing half-written, and the next run resumes (RUN_CASES), or,
+where a user expects it, works.
 
 The app cases run through tests/bad_input_runner.py: one process per app imports it once and
 forks a child per case, so each case sees fresh flags and a fresh TensorFlow runtime for a
@@ -30,6 +30,7 @@ from tfmp import optim, run_dir
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
 from tfmp.input import decoding
+from tfmp.training.reporting import Reporter
 
 TF_CONFIG_INDEX_3 = '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}'
 TF_CONFIG_TWO_WORKERS = (
@@ -255,17 +256,42 @@ LAUNCH_CASES = [
 
 
 # Runs that start and must end in one line, or finish where a user expects them to (WORK: their
-# model dirs). seed 1: the damaged PNG is in step 5's batch, after the checkpoint of step 3.
+# model dirs). seed 1: the damaged PNG is in step 5's batch, after the checkpoint of step 3 and
+# the record of step 4, which the resume drops and logs again.
 ODD_RUN = [
     *("--dataset=folder:FIXTURES/odd_folder", "--image_size=8", "--model=mnist_mlp", "--global_batch_size=4"),
     *("--steps=8", "--checkpoint_every=3", "--log_every=1", "--seed=1", "--model_dir=WORK/odd"),
 ]
+TINY_RUN = [
+    "--dataset=shapes",
+    "--image_size=8",
+    "--model=mnist_mlp",
+    "--steps=2",
+    "--model_dir=WORK/sigterm",
+]
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / run_dir.METRICS_FILE).read_text().splitlines()]
 
 
 def _trained_every_file_but_the_damaged_one(result, work, fixtures):
     run = work / "odd"  # WebP files (one RGBA, named .png) and names that are not UTF-8 trained too
     assert "3 classes, 30 train / 3 eval" in json.loads((run / run_dir.RUN_CARD_FILE).read_text())["dataset"]
-    assert (run / run_dir.MODEL_FILE).is_file()
+    assert [record["step"] for record in _records(run) if record["split"] == "train"] == list(range(1, 9))
+    assert (run / run_dir.MODEL_FILE).is_file() and not (run / run_dir.LOCK_FILE).exists()
+
+
+def _model_not_written(result, work, fixtures):
+    names = [os.path.basename(path) for path in result["written"]]  # what this run left
+    assert run_dir.MODEL_FILE not in names and run_dir.LOCK_FILE not in names, names
+    assert not [name for name in names if name.startswith(run_dir.TEMPORARY_PREFIX)], names
+    assert any(name.startswith("ckpt-2") for name in names), names  # what the resume writes it from
+
+
+def _model_written(result, work, fixtures):
+    run_dir.check_keras_file(str(work / "sigterm" / run_dir.MODEL_FILE))
+    assert not (work / "sigterm" / run_dir.LOCK_FILE).exists()
 
 
 def _predicted_both(result, work, fixtures):
@@ -277,8 +303,8 @@ def _predicted_both(result, work, fixtures):
     assert all(len(record["top_k"]) == 3 for record in records)
 
 
-# (app, arguments, extra (remove: files to delete first), exit status, the text of the one line
-# it ends on (None: it succeeds), what else must hold)
+# (app, arguments, extra (remove: files to delete first; sigterm_after: see bad_input_runner.py),
+#  exit status, the text of the one line it ends on (None: it succeeds), what else must hold)
 RUN_CASES = [
     (
         "classify",
@@ -296,6 +322,15 @@ RUN_CASES = [
         None,
         _trained_every_file_but_the_damaged_one,
     ),
+    (
+        "classify",
+        TINY_RUN,
+        {"sigterm_after": "keras:Model.save"},
+        42,
+        "preempted: SIGTERM while WORK/sigterm/model.keras was written: it was not (no half-written file is left)",
+        _model_not_written,
+    ),
+    ("classify", TINY_RUN, {}, 0, None, _model_written),
     (
         "predict",
         ["--model=FIXTURES/run", "FIXTURES/\udcff\udcfe_ok.png", "FIXTURES/rgba.webp"],
@@ -479,8 +514,8 @@ def test_launcher_refuses_with_one_line(runs, case):
     ids=[f"{app}:{' '.join(args)}:{extra or ''}" for app, args, extra, *_ in RUN_CASES],
 )
 def test_a_run_ends_in_one_line_or_works(runs, case):
-    """A fault mid-run (a damaged file) is one line with its exit status and nothing half-written,
-    and the next run resumes; odd but valid input works."""
+    """A fault mid-run (a damaged file, SIGTERM while model.keras is written) is one line with its
+    exit status and nothing half-written, and the next run resumes; odd but valid input works."""
     result = runs.apps[("run", case)]
     _, _, _, code, message, check = RUN_CASES[case]
     output = result["stdout"][-3000:] + result["stderr"][-3000:]
@@ -531,6 +566,24 @@ def test_api_refuses_before_writing(tmp_path, case):
         call(tmp_path)
     assert message in str(raised.value) and "\n" not in str(raised.value)
     assert sorted(os.listdir(tmp_path)) == ["a_file", "dangling"]
+
+
+def test_a_resume_drops_the_metrics_records_past_its_checkpoint(tmp_path):
+    """metrics.jsonl of a run killed at step 8 after the checkpoint of step 5 (and a record cut
+    short): the resume from step 5 logs steps 6... again, so the file's steps never go back."""
+    metrics = tmp_path / run_dir.METRICS_FILE
+    killed = "".join(json.dumps({"step": step, "split": "train"}) + "\n" for step in range(1, 9))
+    metrics.write_text(killed + '{"step": 9, "spl')
+    reporter = Reporter(str(tmp_path), verbose=False, start_step=5)
+    reporter.scalars(6, "train", {"loss": 1.0})
+    reporter.close()
+    assert [record["step"] for record in _records(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    reporter = Reporter(
+        str(tmp_path), verbose=False
+    )  # no start step given (tfmp.fit): from the first record on
+    reporter.scalars(3, "train", {"loss": 1.0})
+    reporter.close()
+    assert [record["step"] for record in _records(tmp_path)] == [1, 2, 3]
 
 
 def test_the_file_a_decode_error_came_from_is_named(tmp_path):

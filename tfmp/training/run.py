@@ -53,7 +53,7 @@ def train_and_evaluate(
     stopping (SIGTERM, ^C, a failed write) name. Raises UsageError for input a user must fix
     (before anything is written) and for a model dir another run holds, TrainingDiverged when
     the loss becomes non-finite without a loss scaler to skip the step, Preempted after saving
-    a checkpoint on SIGTERM or SIGINT, WriteFailed
+    a checkpoint on SIGTERM or SIGINT (or on SIGTERM while model.keras is written), WriteFailed
     when a write into the run fails, and CorruptInput when a data file fails to decode.
     """
     if not isinstance(task, Task):
@@ -129,6 +129,7 @@ def _train(config, task, plan, built, checkpoints, start_step, resolved_flags, r
         model_dir if is_chief else None,
         verbose=config.verbose and is_chief,
         tags={"allreduce_dtype": engine.allreduce.dtype},
+        start_step=start_step,
     )
     try:
         if resolved_flags and is_chief:
@@ -170,9 +171,7 @@ def _train(config, task, plan, built, checkpoints, start_step, resolved_flags, r
         # A pruned model is saved stripped: a plain Keras model with its zeros, no masks.
         saved = pruning.strip(model) if pruner else model
         if is_chief:
-            path = os.path.join(model_dir, run_dir.MODEL_FILE)
-            with write_faults.guarded("saving the model", path), run_dir.atomic_path(path) as temporary:
-                saved.save(temporary)
+            checkpoints.save_model(saved, resume_command)
         summary = _summary(config, plan, saved, engine, result, model_dir, task, pruner)
     except BaseException:
         reporter.close(failing=True)
