@@ -1,8 +1,8 @@
 """Every bad input is refused before work starts: one `error:` line naming the value, exit 2,
 no traceback, nothing written (the README's promise), across the apps, the launcher and the API;
-and every bad file or signal that can only show once work started ends in one line with
-its documented exit status, nothing half-written, and the next run resumes (RUN_CASES), or,
-where a user expects it, works.
+and every bad file, signal or launch that can only show once work started ends in one line with
+its documented exit status, nothing half-written, and the next run resumes (RUN_CASES,
+LAUNCHED_CASES), or, where a user expects it, works.
 
 The app cases run through tests/bad_input_runner.py: one process per app imports it once and
 forks a child per case, so each case sees fresh flags and a fresh TensorFlow runtime for a
@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import types
 
 import keras
@@ -252,6 +253,35 @@ LAUNCH_CASES = [
     (["--", "python"], {"TF_CONFIG": '{"cluster": '}, "TF_CONFIG"),
     (["--workers=2", "--network=open", "--", "python"], {}, "argument --network: invalid choice: 'open'"),
     (["--hosts=a:1,b:2", "--task_index=0", "--network=private", "--", "python"], {}, "for --workers groups"),
+    (
+        ["--workers=1000", "--", "python", "-c", "pass"],
+        {},
+        "--workers=1000 is more than this host can run: ",
+    ),
+    (
+        ["--workers=2", "--max_workers_per_core=0", "--", "python"],
+        {},
+        "--max_workers_per_core=0 must be >= 1",
+    ),
+    (["--workers=2", "--task_index=1", "--", "python"], {}, "--task_index=1 is for --hosts"),
+]
+
+# python -m tfmp.launch ARGS that starts workers (stand-ins: no TensorFlow), or prints its help:
+# (arguments, exit status, the text of the one `error:` line, which is the last line; or None: none)
+USAGE_ERROR_WORKER = "import sys; print('error: --steps=-5 must be positive', file=sys.stderr); sys.exit(2)"
+LAUNCHED_CASES = [
+    (["--help"], 0, None),
+    (
+        ["--workers=2", "--", sys.executable, "-c", USAGE_ERROR_WORKER],
+        2,
+        "--steps=-5 must be positive (workers 0, 1)",
+    ),
+    (  # a worker that cannot start: its interpreter lacks a module
+        ["--workers=2", "--", sys.executable, "-c", "import tfmp_is_not_here"],
+        1,
+        "exited with 1 without an error line (its last line: ModuleNotFoundError: No module named "
+        "'tfmp_is_not_here'): is tfmp installed for",
+    ),
 ]
 
 
@@ -464,6 +494,7 @@ def runs(tmp_path_factory):
         )
         started.append((runner, cases, process))
     launched = [start_python(["-m", "tfmp.launch", *args], env=env) for args, env, _ in LAUNCH_CASES]
+    with_workers = [start_python(["-m", "tfmp.launch", *args]) for args, *_ in LAUNCHED_CASES]
     results = {}
     for runner, cases, process in started:
         finished = finish(process)
@@ -474,6 +505,7 @@ def runs(tmp_path_factory):
     return types.SimpleNamespace(
         apps=results,
         launches=launches,
+        launched=[finish(process) for process in with_workers],
         fixtures=str(fixtures),
         work=work,
     )
@@ -505,6 +537,27 @@ def test_launcher_refuses_with_one_line(runs, case):
     result = runs.launches[case]
     _assert_one_error_line(result.returncode, result.stderr, LAUNCH_CASES[case][2])
     assert "[launch]" not in result.stdout  # no worker was started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case", range(len(LAUNCHED_CASES)), ids=[" ".join(args) for args, *_ in LAUNCHED_CASES]
+)
+def test_a_launched_group_ends_on_one_error_line(runs, case):
+    """What the workers said (or that one could not start) is the launcher's last line, once."""
+    result = runs.launched[case]
+    _, code, message = LAUNCHED_CASES[case]
+    assert result.returncode == code, result.stdout[-3000:] + result.stderr[-3000:]
+    said = [
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if re.match(r"(\[worker \d+\] )?error:", line)
+    ]
+    if message is None:
+        assert result.stdout.startswith("usage: python -m tfmp.launch") and not result.stderr and not said
+        return
+    last = result.stderr.strip().splitlines()[-1]
+    assert said == [last] and last.startswith("error: ") and message in last, result.stdout + result.stderr
 
 
 @pytest.mark.slow
