@@ -50,6 +50,12 @@ APP_CASES = [
     ("classify", ["--xla=maybe"], {}, "unknown --xla value 'maybe'"),
     ("classify", ["--allreduce_dtype=half"], {}, "unknown --allreduce_dtype value 'half'"),
     ("classify", ["--allreduce_dtype=float16"], {}, "float16 under the float32 policy, without loss scaling"),
+    (
+        "classify",
+        ["--allreduce_dtype=float16", "--precision=mixed_float16", "--loss_scale=none"],
+        {},
+        "use bfloat16 (float32's range), or turn its loss scaling back on (--loss_scale=auto, dynamic or a number)",
+    ),
     ("classify", ["--allreduce_bucket_bytes=-1"], {}, "--allreduce_bucket_bytes=-1 must be 0"),
     ("classify", ["--label_smoothing=1.5"], {}, "--label_smoothing=1.5 must be in [0, 1)"),
     ("classify", ["--strategy=tpu"], {}, "unknown strategy 'tpu'"),
@@ -220,6 +226,18 @@ APP_CASES = [
         "export.json is not readable JSON",
     ),
     ("predict", ["--model=FIXTURES/unknown_kind_export", "FIXTURES/a.png"], {}, "names kind 'segmenter'"),
+    (
+        "predict",
+        ["--model=FIXTURES/int8_export", "FIXTURES/a.png"],
+        {},
+        'int8_export/export.json: precision must be one of float32, float16, bfloat16, mixed, not "int8"',
+    ),
+    (
+        "predict",
+        ["--model=FIXTURES/reshaped_export", "FIXTURES/a.png"],
+        {},
+        "its export.json says images of [32, 32, 3], but the model takes [16, 16, 3]; export the run again",
+    ),
     (
         "predict",
         ["--model=FIXTURES/run", "--score_threshold=2", "FIXTURES/a.png"],
@@ -413,6 +431,12 @@ def _write_fixtures(fixtures) -> None:
     os.remove(fixtures / "bomb_folder" / "square" / "bad.jpg")
     write_zero_png(fixtures / "bomb_folder" / "square" / "bomb.png", 20000, 20000)
     exports = {"bad_json_export": '{"kind": ', "unknown_kind_export": '{"kind": "segmenter"}'}
+    for name, precision, shape in (
+        ("int8_export", "int8", [16, 16, 3]),
+        ("reshaped_export", "float32", [32, 32, 3]),
+    ):
+        edited = {"kind": "classifier", "precision": precision, "preprocessing": {"image_shape": shape}}
+        exports[name] = json.dumps(edited)  # an export.json edited by hand: the model is 16x16x3
     for name, text in exports.items():
         (fixtures / name).mkdir()
         (fixtures / name / run_dir.EXPORT_METADATA_FILE).write_text(text)
@@ -607,6 +631,18 @@ API_CASES = [
     (lambda tmp: tfmp.fit(_tiny_model(), _tiny_data([0, 1]), model_dir=str(tmp / "a_file")), "a_file"),
     (lambda tmp: tfmp.fit(_tiny_model(), _tiny_data([0, 7]), model_dir=str(tmp / "run")), "7"),
     (lambda tmp: tfmp.fit(_tiny_model(), _tiny_data([0, 1]), epochs=0, model_dir=str(tmp / "run")), "epochs"),
+    (
+        lambda tmp: tfmp.fit(
+            _tiny_model(), _tiny_data([0, 1]), class_weight={"a": 1.0}, model_dir=str(tmp / "run")
+        ),
+        "class_weight keys must be class ids 0, 1, ...; got ['a']",
+    ),
+    (
+        lambda tmp: tfmp.fit(
+            _tiny_model(), _tiny_data([0, 1]), class_weight={0: "x"}, model_dir=str(tmp / "run")
+        ),
+        "class_weight values must be finite numbers; got ['x']",
+    ),
 ]
 
 
