@@ -6,10 +6,10 @@ LAUNCHED_CASES), or, where a user expects it, works.
 
 The app cases run through tests/bad_input_runner.py: one process per app imports it once and
 forks a child per case, so each case sees fresh flags and a fresh TensorFlow runtime for a
-fraction of a process start; the runs of RUN_CASES have a runner of their own, beside the
-classify refusals. Placeholders in the arguments: FIXTURES (files this module writes: a corrupt
-image folder, broken COCO files, a fake run, ...), HOME (the cases' home directory), WORK (the
-runs' model dirs).
+fraction of a process start; the runs of RUN_CASES follow their app's refusals in its runner.
+Placeholders in the arguments: FIXTURES (files this module writes: a corrupt image folder,
+broken COCO files, a fake run, ...), HOME (the cases' home directory), WORK (the runs' model
+dirs).
 """
 
 import json
@@ -304,18 +304,12 @@ LAUNCHED_CASES = [
 
 
 # Runs that start and must end in one line, or finish where a user expects them to (WORK: their
-# model dirs). seed 1: the damaged PNG is in step 5's batch, after the checkpoint of step 3 and
-# the record of step 4, which the resume drops and logs again.
+# model dirs), one after the other on one model dir: the damaged PNG stops the first (seed 1: in
+# step 5's batch, after the checkpoint of step 3 and the record of step 4); without it the second
+# resumes, trains to the end and is sent SIGTERM while it writes model.keras; the third writes it.
 ODD_RUN = [
     *("--dataset=folder:FIXTURES/odd_folder", "--image_size=8", "--model=mnist_mlp", "--global_batch_size=4"),
     *("--steps=8", "--checkpoint_every=3", "--log_every=1", "--seed=1", "--model_dir=WORK/odd"),
-]
-TINY_RUN = [
-    "--dataset=shapes",
-    "--image_size=8",
-    "--model=mnist_mlp",
-    "--steps=2",
-    "--model_dir=WORK/sigterm",
 ]
 
 
@@ -323,23 +317,19 @@ def _records(run):
     return [json.loads(line) for line in (run / run_dir.METRICS_FILE).read_text().splitlines()]
 
 
-def _trained_every_file_but_the_damaged_one(result, work, fixtures):
-    run = work / "odd"  # WebP files (one RGBA, named .png) and names that are not UTF-8 trained too
-    assert "3 classes, 30 train / 3 eval" in json.loads((run / run_dir.RUN_CARD_FILE).read_text())["dataset"]
-    assert [record["step"] for record in _records(run) if record["split"] == "train"] == list(range(1, 9))
-    assert (run / run_dir.MODEL_FILE).is_file() and not (run / run_dir.LOCK_FILE).exists()
-
-
 def _model_not_written(result, work, fixtures):
     names = [os.path.basename(path) for path in result["written"]]  # what this run left
     assert run_dir.MODEL_FILE not in names and run_dir.LOCK_FILE not in names, names
     assert not [name for name in names if name.startswith(run_dir.TEMPORARY_PREFIX)], names
-    assert any(name.startswith("ckpt-2") for name in names), names  # what the resume writes it from
+    assert any(name.startswith("ckpt-8") for name in names), names  # what the resume writes it from
 
 
-def _model_written(result, work, fixtures):
-    run_dir.check_keras_file(str(work / "sigterm" / run_dir.MODEL_FILE))
-    assert not (work / "sigterm" / run_dir.LOCK_FILE).exists()
+def _trained_every_file_but_the_damaged_one(result, work, fixtures):
+    run = work / "odd"  # WebP files (one RGBA, named .png) and names that are not UTF-8 trained too
+    assert "3 classes, 30 train / 3 eval" in json.loads((run / run_dir.RUN_CARD_FILE).read_text())["dataset"]
+    assert [record["step"] for record in _records(run) if record["split"] == "train"] == list(range(1, 9))
+    run_dir.check_keras_file(str(run / run_dir.MODEL_FILE))
+    assert not (run / run_dir.LOCK_FILE).exists()
 
 
 def _predicted_both(result, work, fixtures):
@@ -365,20 +355,12 @@ RUN_CASES = [
     (
         "classify",
         ODD_RUN,
-        {"remove": ["FIXTURES/odd_folder/square/damaged.png"]},
-        0,
-        None,
-        _trained_every_file_but_the_damaged_one,
-    ),
-    (
-        "classify",
-        TINY_RUN,
-        {"sigterm_after": "keras:Model.save"},
+        {"remove": ["FIXTURES/odd_folder/square/damaged.png"], "sigterm_after": "keras:Model.save"},
         42,
-        "preempted: SIGTERM while WORK/sigterm/model.keras was written: it was not (no half-written file is left)",
+        "preempted: SIGTERM while WORK/odd/model.keras was written: it was not (no half-written file is left)",
         _model_not_written,
     ),
-    ("classify", TINY_RUN, {}, 0, None, _model_written),
+    ("classify", ODD_RUN, {}, 0, None, _trained_every_file_but_the_damaged_one),
     (
         "predict",
         ["--model=FIXTURES/run", "FIXTURES/\udcff\udcfe_ok.png", "FIXTURES/rgba.webp"],
@@ -478,12 +460,11 @@ def _write_odd_files(fixtures, rng) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every app case (one runner process per app, and one for the classifier runs) and every
-    launcher case, started at once."""
+    """Every app case (one runner process per app) and every launcher case, started at once."""
     base = tmp_path_factory.mktemp("bad_inputs")
     tree, logs = base / "tree", base / "logs"
-    # WORK inside the runs' runner tree: `written` lists what each run wrote there.
-    fixtures, home, work = tree / "fixtures", tree / "home", tree / "classify-runs" / "work"
+    # WORK inside the classify runner's tree: `written` lists what each run wrote there.
+    fixtures, home, work = tree / "fixtures", tree / "home", tree / "classify" / "work"
     _write_fixtures(fixtures)
     for folder in (home, logs):
         folder.mkdir()
@@ -491,39 +472,33 @@ def runs(tmp_path_factory):
     def placed(text):
         return text.replace("FIXTURES", str(fixtures)).replace("WORK", str(work))
 
-    by_runner, started = {}, []
+    by_app, started = {}, []
     for index, (app, args, env, _) in enumerate(APP_CASES):
         case = {"args": [placed(arg) for arg in args], "env": {"HOME": str(home), **env}}
-        by_runner.setdefault((app, app), []).append((("app", index), case))
-    for index, (app, args, extra, *_) in enumerate(RUN_CASES):
+        by_app.setdefault(app, []).append((("app", index), case))
+    for index, (app, args, extra, *_) in enumerate(RUN_CASES):  # after their app's refusals
         case = {"args": [placed(arg) for arg in args], "env": {"HOME": str(home)}, **extra}
         case["remove"] = [placed(path) for path in extra.get("remove", [])]
-        runner = f"{app}-runs" if app == "classify" else app  # beside the classify refusals
-        by_runner.setdefault((runner, app), []).append((("run", index), case))
-    for (runner, app), cases in by_runner.items():
-        spec = {
-            "app": app,
-            "tree": str(tree / runner),
-            "logs": str(logs),
-            "cases": [case for _, case in cases],
-        }
-        (tree / runner).mkdir()
-        (base / f"{runner}.json").write_text(json.dumps(spec))
-        process = start_python(
+        by_app.setdefault(app, []).append((("run", index), case))
+    for app, cases in by_app.items():
+        spec = {"app": app, "tree": str(tree / app), "logs": str(logs), "cases": [case for _, case in cases]}
+        (tree / app).mkdir()
+        (base / f"{app}.json").write_text(json.dumps(spec))
+        runner = start_python(
             [
                 os.path.join(ROOT, "tests", "bad_input_runner.py"),
-                str(base / f"{runner}.json"),
-                str(base / f"{runner}.results.json"),
+                str(base / f"{app}.json"),
+                str(base / f"{app}.results.json"),
             ]
         )
-        started.append((runner, cases, process))
+        started.append((app, cases, runner))
     launched = [start_python(["-m", "tfmp.launch", *args], env=env) for args, env, _ in LAUNCH_CASES]
     with_workers = [start_python(["-m", "tfmp.launch", *args]) for args, *_ in LAUNCHED_CASES]
     results = {}
-    for runner, cases, process in started:
-        finished = finish(process)
+    for app, cases, runner in started:
+        finished = finish(runner)
         assert finished.returncode == 0, finished.stderr[-3000:]
-        found = json.loads((base / f"{runner}.results.json").read_text())
+        found = json.loads((base / f"{app}.results.json").read_text())
         results.update({key: result for (key, _), result in zip(cases, found)})
     launches = [finish(process) for process in launched]
     return types.SimpleNamespace(
