@@ -139,17 +139,35 @@ class Reporter:
 
 
 def _keep_records_up_to(path: str, last_step: int) -> None:
-    """Truncates `path` before its first record past `last_step` (records are appended in step
-    order, so all after it are past it too: a killed run's, which the resumed run logs again),
-    or after its last newline (a record a fault cut short would run into the next one)."""
+    """Truncates `path` before its records past `last_step` (records are appended in step order:
+    a killed run's last ones, which the resumed run logs again) and a last line a fault cut short
+    (it would run into the next record). Read from the end: a long run's file is not read whole."""
     with contextlib.suppress(FileNotFoundError), open(path, "rb+") as file:
-        keep = 0
-        for line in file:
-            if not line.endswith(b"\n") or _step(line) > last_step:
+        size = keep = file.seek(0, os.SEEK_END)
+        for offset, line in _lines_from_end(file, size):
+            if line.endswith(b"\n") and _step(line) <= last_step:
                 break
-            keep += len(line)
-        if keep < file.seek(0, os.SEEK_END):
+            keep = offset
+        if keep < size:
             file.truncate(keep)
+
+
+def _lines_from_end(file, size: int):
+    """(offset, line) of the file's lines, the last first, read in blocks from its end."""
+    position, rest = size, b""
+    while position > 0:
+        start = max(0, position - 65536)
+        file.seek(start)
+        *ended, last = (file.read(position - start) + rest).split(b"\n")
+        lines = [line + b"\n" for line in ended] + ([last] if last else [])
+        rest = lines.pop(0) if start > 0 else b""  # may begin mid-line: completed by the next block
+        offset = start + len(rest) + sum(len(line) for line in lines)
+        for line in reversed(lines):
+            offset -= len(line)
+            yield offset, line
+        position = start
+    if rest:
+        yield 0, rest
 
 
 def _step(line: bytes) -> float:
