@@ -145,6 +145,12 @@ APP_CASES = [
         {},
         "1 file(s) are not readable images, first FIXTURES/bytes_folder/square/\\xff\\xfe_bad.png (starts with",
     ),
+    (  # what TensorFlow's decoder cannot read is refused before the run, not mid-run
+        "classify",
+        ["--dataset=folder:FIXTURES/bmp_folder"],
+        {},
+        "first FIXTURES/bmp_folder/square/one_bit.bmp (a 1-bit BMP: TensorFlow's decoder reads 8, 24 and 32-bit",
+    ),
     (
         "classify",
         ["--dataset=folder:FIXTURES/bomb_folder"],
@@ -433,7 +439,8 @@ def _image(path, rng, channels=3, size=8, **save):
 
 
 def _write_odd_files(fixtures, rng) -> None:
-    """Names that are not UTF-8, WebP files (an RGBA one named .png), a PNG damaged in its middle."""
+    """Names that are not UTF-8, WebP files (an RGBA one named .png), a PNG damaged in its middle,
+    a BMP TensorFlow cannot decode."""
     folder = os.fsencode(fixtures / "odd_folder")
     for name in (b"circle", b"square", b"\xff\xfe_class"):
         os.makedirs(os.path.join(folder, name))
@@ -456,6 +463,9 @@ def _write_odd_files(fixtures, rng) -> None:
         os.path.join(os.fsencode(fixtures / "bytes_folder" / "square"), b"\xff\xfe_bad.png"), "w"
     ) as file:
         file.write("<html>404</html>")
+    shutil.copytree(fixtures / "bomb_folder", fixtures / "bmp_folder")
+    os.remove(fixtures / "bmp_folder" / "square" / "bomb.png")
+    Image.new("1", (8, 8)).save(fixtures / "bmp_folder" / "square" / "one_bit.bmp")
 
 
 @pytest.fixture(scope="module")
