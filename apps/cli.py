@@ -7,8 +7,9 @@
 
 Exit status: 0 done, 2 user error (bad flag or value, impossible combination, unreachable
 peer, corrupt checkpoint), 3 training diverged, 4 a write failed mid-run (disk full, permission),
-5 a peer worker was lost mid-run, 42 preempted or interrupted (checkpoint saved;
-the message says the command that resumes), 130 interrupted before training started.
+5 a peer worker was lost mid-run, 6 a data file failed to decode mid-run (named), 42 preempted
+or interrupted (checkpoint saved; the message says the command that resumes), 130 interrupted
+before training started.
 `--help` lists the app's own flags; `--helpfull` every flag, absl's and TensorFlow's too.
 `--verbosity=0` (absl's flag) shows TensorFlow's INFO lines, its C++ start-up lines included.
 """
@@ -28,11 +29,13 @@ from absl import logging as absl_logging
 
 from tfmp import write_faults
 from tfmp.errors import (
+    EXIT_CORRUPT_INPUT,
     EXIT_DIVERGED,
     EXIT_PEER_LOST,
     EXIT_PREEMPTED,
     EXIT_USAGE,
     EXIT_WRITE_FAILED,
+    CorruptInput,
     PeerLost,
     Preempted,
     TrainingDiverged,
@@ -160,6 +163,7 @@ _ONE_LINE = {
     Preempted: ("preempted", EXIT_PREEMPTED),
     WriteFailed: ("error", EXIT_WRITE_FAILED),
     PeerLost: ("error", EXIT_PEER_LOST),
+    CorruptInput: ("error", EXIT_CORRUPT_INPUT),
 }
 _ONE_LINE_ERRORS = tuple(_ONE_LINE)
 

@@ -33,7 +33,7 @@ from absl import flags
 from apps import cli
 from tfmp import run_dir
 from tfmp.errors import UsageError
-from tfmp.input import image_files
+from tfmp.input import decoding, image_files
 from tfmp.serving import predictors, trust
 
 FLAGS = flags.FLAGS
@@ -80,7 +80,7 @@ def main(argv):
         too_large = image_files.oversized(image, FLAGS.max_image_pixels)
         if too_large:
             raise UsageError(
-                f"image {image!r} is {too_large}; shrink it, or raise --max_image_pixels (0: no limit)"
+                f"image '{decoding.shown(image)}' is {too_large}; shrink it, or raise --max_image_pixels (0: no limit)"
             )
     settings = {
         name: FLAGS[name].value

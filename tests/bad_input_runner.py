@@ -2,7 +2,10 @@
 
     python tests/bad_input_runner.py CASES.json RESULTS.json
 
-CASES.json: {"app": "classify", "tree": DIR, "logs": DIR, "cases": [{"args": [...], "env": {...}}]}.
+CASES.json: {"app": "classify", "tree": DIR, "logs": DIR, "cases": [{"args": [...], "env": {...}}]};
+a case may also name files to remove before it runs ("remove": [...]), and a function after
+whose return the child sends itself SIGTERM ("sigterm_after": "keras:Model.save"), a signal
+that arrives at a chosen moment of the run instead of at a time a test would have to guess.
 This process imports `apps.<app>` (and TensorFlow) once; each case then runs in a child forked
 from it, before any TensorFlow runtime exists, so every case starts from unparsed flags and an
 uninitialised runtime exactly like `python -m apps.<app> ARGS` (logical CPU devices, strategies
@@ -12,9 +15,11 @@ gets, per case: the exit status, stdout, stderr and every file that appeared or 
 DIR (fixtures included) while it ran.
 """
 
+import functools
 import importlib
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -35,10 +40,30 @@ def snapshot(tree: str) -> dict[str, int | None]:
     return found
 
 
+def sigterm_after(target: str) -> None:
+    """Wraps `module:attribute.path` so that the process sends itself SIGTERM when it returns."""
+    module_name, _, path = target.partition(":")
+    owner = importlib.import_module(module_name)
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    setattr(owner, name, wrapped)
+
+
 def run_child(app: str, module, case: dict, workdir: str, stdout: str, stderr: str) -> None:
     """In the forked child: never returns."""
     code = 1
     try:
+        if case.get("sigterm_after"):
+            sigterm_after(case["sigterm_after"])
         os.chdir(workdir)
         os.environ.update(case.get("env", {}))
         for descriptor, path in ((1, stdout), (2, stderr)):
@@ -68,6 +93,8 @@ def main(cases_path: str, results_path: str) -> None:
         workdir = os.path.join(tree, f"case{index}")
         os.makedirs(workdir)
         stdout, stderr = (os.path.join(logs, f"{app}{index}.{name}") for name in ("out", "err"))
+        for path in case.get("remove", []):
+            os.remove(path)
         before = snapshot(tree)
         child = os.fork()
         if child == 0:

@@ -1,15 +1,23 @@
 """Every bad input is refused before work starts: one `error:` line naming the value, exit 2,
-no traceback, nothing written (the README's promise), across the apps, the launcher and the API.
+no traceback, nothing written (the README's promise), across the apps, the launcher and the API;
+and every bad file, signal or launch that can only show once work started ends in one line with
+its documented exit status, nothing half-written, and the next run resumes (RUN_CASES,
+LAUNCHED_CASES), or, where a user expects it, works.
 
 The app cases run through tests/bad_input_runner.py: one process per app imports it once and
 forks a child per case, so each case sees fresh flags and a fresh TensorFlow runtime for a
-fraction of a process start. Placeholders in the arguments: FIXTURES (files this module writes:
-a corrupt image folder, broken COCO files, a fake run, ...), HOME (the cases' home directory).
+fraction of a process start; the runs of RUN_CASES follow their app's refusals in its runner.
+Placeholders in the arguments: FIXTURES (files this module writes: a corrupt image folder,
+broken COCO files, a fake run, ...), HOME (the cases' home directory), WORK (the runs' model
+dirs).
 """
 
 import json
 import os
+import re
 import shutil
+import sys
+import types
 
 import keras
 import numpy as np
@@ -22,6 +30,8 @@ import tfmp
 from tfmp import optim, run_dir
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
+from tfmp.input import decoding
+from tfmp.training.reporting import Reporter
 
 TF_CONFIG_INDEX_3 = '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}'
 TF_CONFIG_TWO_WORKERS = (
@@ -40,6 +50,12 @@ APP_CASES = [
     ("classify", ["--xla=maybe"], {}, "unknown --xla value 'maybe'"),
     ("classify", ["--allreduce_dtype=half"], {}, "unknown --allreduce_dtype value 'half'"),
     ("classify", ["--allreduce_dtype=float16"], {}, "float16 under the float32 policy, without loss scaling"),
+    (
+        "classify",
+        ["--allreduce_dtype=float16", "--precision=mixed_float16", "--loss_scale=none"],
+        {},
+        "use bfloat16 (float32's range), or turn its loss scaling back on (--loss_scale=auto, dynamic or a number)",
+    ),
     ("classify", ["--allreduce_bucket_bytes=-1"], {}, "--allreduce_bucket_bytes=-1 must be 0"),
     ("classify", ["--label_smoothing=1.5"], {}, "--label_smoothing=1.5 must be in [0, 1)"),
     ("classify", ["--strategy=tpu"], {}, "unknown strategy 'tpu'"),
@@ -123,6 +139,18 @@ APP_CASES = [
     ("classify", ["--model_dir=FIXTURES/looping"], {}, "FIXTURES/looping is a symlink loop"),
     ("classify", ["--dataset=folder:FIXTURES/missing"], {}, "does not exist"),
     ("classify", ["--dataset=folder:FIXTURES/corrupt_folder"], {}, "bad.jpg"),
+    (  # a name that is not UTF-8: shown with its bytes escaped
+        "classify",
+        ["--dataset=folder:FIXTURES/bytes_folder"],
+        {},
+        "1 file(s) are not readable images, first FIXTURES/bytes_folder/square/\\xff\\xfe_bad.png (starts with",
+    ),
+    (  # what TensorFlow's decoder cannot read is refused before the run, not mid-run
+        "classify",
+        ["--dataset=folder:FIXTURES/bmp_folder"],
+        {},
+        "first FIXTURES/bmp_folder/square/one_bit.bmp (a 1-bit BMP: TensorFlow's decoder reads 8, 24 and 32-bit",
+    ),
     (
         "classify",
         ["--dataset=folder:FIXTURES/bomb_folder"],
@@ -206,6 +234,18 @@ APP_CASES = [
     ("predict", ["--model=FIXTURES/unknown_kind_export", "FIXTURES/a.png"], {}, "names kind 'segmenter'"),
     (
         "predict",
+        ["--model=FIXTURES/int8_export", "FIXTURES/a.png"],
+        {},
+        'int8_export/export.json: precision must be one of float32, float16, bfloat16, mixed, not "int8"',
+    ),
+    (
+        "predict",
+        ["--model=FIXTURES/reshaped_export", "FIXTURES/a.png"],
+        {},
+        "its export.json says images of [32, 32, 3], but the model takes [16, 16, 3]; export the run again",
+    ),
+    (
+        "predict",
         ["--model=FIXTURES/run", "--score_threshold=2", "FIXTURES/a.png"],
         {},
         "--score_threshold=2.0",
@@ -237,6 +277,104 @@ LAUNCH_CASES = [
     (["--", "python"], {"TF_CONFIG": '{"cluster": '}, "TF_CONFIG"),
     (["--workers=2", "--network=open", "--", "python"], {}, "argument --network: invalid choice: 'open'"),
     (["--hosts=a:1,b:2", "--task_index=0", "--network=private", "--", "python"], {}, "for --workers groups"),
+    (
+        ["--workers=1000", "--", "python", "-c", "pass"],
+        {},
+        "--workers=1000 is more than this host can run: ",
+    ),
+    (
+        ["--workers=2", "--max_workers_per_core=0", "--", "python"],
+        {},
+        "--max_workers_per_core=0 must be >= 1",
+    ),
+    (["--workers=2", "--task_index=1", "--", "python"], {}, "--task_index=1 is for --hosts"),
+]
+
+# python -m tfmp.launch ARGS that starts workers (stand-ins: no TensorFlow), or prints its help:
+# (arguments, exit status, the text of the one `error:` line, which is the last line; or None: none)
+USAGE_ERROR_WORKER = "import sys; print('error: --steps=-5 must be positive', file=sys.stderr); sys.exit(2)"
+LAUNCHED_CASES = [
+    (["--help"], 0, None),
+    (
+        ["--workers=2", "--", sys.executable, "-c", USAGE_ERROR_WORKER],
+        2,
+        "--steps=-5 must be positive (workers 0, 1)",
+    ),
+    (  # a worker that cannot start: its interpreter lacks a module
+        ["--workers=2", "--", sys.executable, "-c", "import tfmp_is_not_here"],
+        1,
+        "exited with 1 without an error line (its last line: ModuleNotFoundError: No module named "
+        "'tfmp_is_not_here'): is tfmp installed for",
+    ),
+]
+
+
+# Runs that start and must end in one line, or finish where a user expects them to (WORK: their
+# model dirs), one after the other on one model dir: the damaged PNG stops the first (seed 1: in
+# step 5's batch, after the checkpoint of step 3 and the record of step 4); without it the second
+# resumes, trains to the end and is sent SIGTERM while it writes model.keras; the third writes it.
+ODD_RUN = [
+    *("--dataset=folder:FIXTURES/odd_folder", "--image_size=8", "--model=mnist_mlp", "--global_batch_size=4"),
+    *("--steps=8", "--checkpoint_every=3", "--log_every=1", "--seed=1", "--model_dir=WORK/odd"),
+]
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / run_dir.METRICS_FILE).read_text().splitlines()]
+
+
+def _model_not_written(result, work, fixtures):
+    names = [os.path.basename(path) for path in result["written"]]  # what this run left
+    assert run_dir.MODEL_FILE not in names and run_dir.LOCK_FILE not in names, names
+    assert not [name for name in names if name.startswith(run_dir.TEMPORARY_PREFIX)], names
+    assert any(name.startswith("ckpt-8") for name in names), names  # what the resume writes it from
+
+
+def _trained_every_file_but_the_damaged_one(result, work, fixtures):
+    run = work / "odd"  # WebP files (one RGBA, named .png) and names that are not UTF-8 trained too
+    assert "3 classes, 30 train / 3 eval" in json.loads((run / run_dir.RUN_CARD_FILE).read_text())["dataset"]
+    assert [record["step"] for record in _records(run) if record["split"] == "train"] == list(range(1, 9))
+    run_dir.check_keras_file(str(run / run_dir.MODEL_FILE))
+    assert not (run / run_dir.LOCK_FILE).exists()
+
+
+def _predicted_both(result, work, fixtures):
+    records = [json.loads(line) for line in result["stdout"].splitlines()]
+    assert [record["image"] for record in records] == [
+        f"{fixtures}/\udcff\udcfe_ok.png",
+        f"{fixtures}/rgba.webp",
+    ]
+    assert all(len(record["top_k"]) == 3 for record in records)
+
+
+# (app, arguments, extra (remove: files to delete first; sigterm_after: see bad_input_runner.py),
+#  exit status, the text of the one line it ends on (None: it succeeds), what else must hold)
+RUN_CASES = [
+    (
+        "classify",
+        ODD_RUN,
+        {},
+        6,
+        "odd_folder/square/damaged.png does not decode (Invalid PNG data, size ",
+        None,
+    ),
+    (
+        "classify",
+        ODD_RUN,
+        {"remove": ["FIXTURES/odd_folder/square/damaged.png"], "sigterm_after": "keras:Model.save"},
+        42,
+        "preempted: SIGTERM while WORK/odd/model.keras was written: it was not (no half-written file is left)",
+        _model_not_written,
+    ),
+    ("classify", ODD_RUN, {}, 0, None, _trained_every_file_but_the_damaged_one),
+    (
+        "predict",
+        ["--model=FIXTURES/run", "FIXTURES/\udcff\udcfe_ok.png", "FIXTURES/rgba.webp"],
+        {},
+        0,
+        None,
+        _predicted_both,
+    ),
 ]
 
 
@@ -280,10 +418,54 @@ def _write_fixtures(fixtures) -> None:
     shutil.copytree(fixtures / "corrupt_folder", fixtures / "bomb_folder")
     os.remove(fixtures / "bomb_folder" / "square" / "bad.jpg")
     write_zero_png(fixtures / "bomb_folder" / "square" / "bomb.png", 20000, 20000)
-    for name, text in (("bad_json_export", '{"kind": '), ("unknown_kind_export", '{"kind": "segmenter"}')):
+    exports = {"bad_json_export": '{"kind": ', "unknown_kind_export": '{"kind": "segmenter"}'}
+    for name, precision, shape in (
+        ("int8_export", "int8", [16, 16, 3]),
+        ("reshaped_export", "float32", [32, 32, 3]),
+    ):
+        edited = {"kind": "classifier", "precision": precision, "preprocessing": {"image_shape": shape}}
+        exports[name] = json.dumps(edited)  # an export.json edited by hand: the model is 16x16x3
+    for name, text in exports.items():
         (fixtures / name).mkdir()
         (fixtures / name / run_dir.EXPORT_METADATA_FILE).write_text(text)
         (fixtures / name / run_dir.MODEL_FILE).write_bytes(whole)
+    _write_odd_files(fixtures, rng)
+
+
+def _image(path, rng, channels=3, size=8, **save):
+    """A random image at `path` (bytes or str: a name need not be UTF-8), in the format `save` says."""
+    pixels = (rng.random((size, size, channels)) * 255).astype(np.uint8)
+    Image.fromarray(pixels, "RGBA" if channels == 4 else "RGB").save(os.fsdecode(path), **save)
+
+
+def _write_odd_files(fixtures, rng) -> None:
+    """Names that are not UTF-8, WebP files (an RGBA one named .png), a PNG damaged in its middle,
+    a BMP TensorFlow cannot decode."""
+    folder = os.fsencode(fixtures / "odd_folder")
+    for name in (b"circle", b"square", b"\xff\xfe_class"):
+        os.makedirs(os.path.join(folder, name))
+        for index in range(10):
+            _image(os.path.join(folder, name, b"%d.png" % index), rng)
+    square = os.path.join(folder, b"square")
+    _image(os.path.join(square, b"\xff\xfe_name.png"), rng)
+    _image(os.path.join(square, b"z.png"), rng, channels=4, format="WEBP")
+    _image(os.path.join(square, b"w.webp"), rng)
+    damaged = os.path.join(square, b"damaged.png")  # its ends whole: it passes the check before the run
+    _image(damaged, rng, size=64)
+    with open(damaged, "r+b") as file:
+        file.seek(os.path.getsize(damaged) // 2)
+        file.write(bytes(200))
+    _image(os.path.join(os.fsencode(fixtures), b"\xff\xfe_ok.png"), rng, size=16)
+    _image(fixtures / "rgba.webp", rng, channels=4, size=16)
+    shutil.copytree(fixtures / "bomb_folder", fixtures / "bytes_folder")
+    os.remove(fixtures / "bytes_folder" / "square" / "bomb.png")
+    with open(
+        os.path.join(os.fsencode(fixtures / "bytes_folder" / "square"), b"\xff\xfe_bad.png"), "w"
+    ) as file:
+        file.write("<html>404</html>")
+    shutil.copytree(fixtures / "bomb_folder", fixtures / "bmp_folder")
+    os.remove(fixtures / "bmp_folder" / "square" / "bomb.png")
+    Image.new("1", (8, 8)).save(fixtures / "bmp_folder" / "square" / "one_bit.bmp")
 
 
 @pytest.fixture(scope="module")
@@ -291,14 +473,23 @@ def runs(tmp_path_factory):
     """Every app case (one runner process per app) and every launcher case, started at once."""
     base = tmp_path_factory.mktemp("bad_inputs")
     tree, logs = base / "tree", base / "logs"
-    fixtures, home = tree / "fixtures", tree / "home"
+    # WORK inside the classify runner's tree: `written` lists what each run wrote there.
+    fixtures, home, work = tree / "fixtures", tree / "home", tree / "classify" / "work"
     _write_fixtures(fixtures)
-    home.mkdir()
-    logs.mkdir()
+    for folder in (home, logs):
+        folder.mkdir()
+
+    def placed(text):
+        return text.replace("FIXTURES", str(fixtures)).replace("WORK", str(work))
+
     by_app, started = {}, []
     for index, (app, args, env, _) in enumerate(APP_CASES):
-        args = [arg.replace("FIXTURES", str(fixtures)) for arg in args]
-        by_app.setdefault(app, []).append((index, {"args": args, "env": {"HOME": str(home), **env}}))
+        case = {"args": [placed(arg) for arg in args], "env": {"HOME": str(home), **env}}
+        by_app.setdefault(app, []).append((("app", index), case))
+    for index, (app, args, extra, *_) in enumerate(RUN_CASES):  # after their app's refusals
+        case = {"args": [placed(arg) for arg in args], "env": {"HOME": str(home)}, **extra}
+        case["remove"] = [placed(path) for path in extra.get("remove", [])]
+        by_app.setdefault(app, []).append((("run", index), case))
     for app, cases in by_app.items():
         spec = {"app": app, "tree": str(tree / app), "logs": str(logs), "cases": [case for _, case in cases]}
         (tree / app).mkdir()
@@ -312,14 +503,21 @@ def runs(tmp_path_factory):
         )
         started.append((app, cases, runner))
     launched = [start_python(["-m", "tfmp.launch", *args], env=env) for args, env, _ in LAUNCH_CASES]
+    with_workers = [start_python(["-m", "tfmp.launch", *args]) for args, *_ in LAUNCHED_CASES]
     results = {}
     for app, cases, runner in started:
         finished = finish(runner)
         assert finished.returncode == 0, finished.stderr[-3000:]
         found = json.loads((base / f"{app}.results.json").read_text())
-        results.update({index: result for (index, _), result in zip(cases, found)})
+        results.update({key: result for (key, _), result in zip(cases, found)})
     launches = [finish(process) for process in launched]
-    return results, launches, str(fixtures)
+    return types.SimpleNamespace(
+        apps=results,
+        launches=launches,
+        launched=[finish(process) for process in with_workers],
+        fixtures=str(fixtures),
+        work=work,
+    )
 
 
 def _assert_one_error_line(returncode, stderr, message):
@@ -336,9 +534,8 @@ def _assert_one_error_line(returncode, stderr, message):
     ids=[f"{app}:{' '.join(args) or 'no flags'}" for app, args, *_ in APP_CASES],
 )
 def test_app_refuses_with_one_line_and_writes_nothing(runs, case):
-    results, _, fixtures = runs
-    result = results[case]
-    message = APP_CASES[case][3].replace("FIXTURES", fixtures)
+    result = runs.apps[("app", case)]
+    message = APP_CASES[case][3].replace("FIXTURES", runs.fixtures)
     _assert_one_error_line(result["returncode"], result["stderr"], message)
     assert not result["written"], result["written"]
 
@@ -346,10 +543,54 @@ def test_app_refuses_with_one_line_and_writes_nothing(runs, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(LAUNCH_CASES)), ids=[" ".join(args) for args, *_ in LAUNCH_CASES])
 def test_launcher_refuses_with_one_line(runs, case):
-    _, launches, _ = runs
-    result = launches[case]
+    result = runs.launches[case]
     _assert_one_error_line(result.returncode, result.stderr, LAUNCH_CASES[case][2])
     assert "[launch]" not in result.stdout  # no worker was started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case", range(len(LAUNCHED_CASES)), ids=[" ".join(args) for args, *_ in LAUNCHED_CASES]
+)
+def test_a_launched_group_ends_on_one_error_line(runs, case):
+    """What the workers said (or that one could not start) is the launcher's last line, once."""
+    result = runs.launched[case]
+    _, code, message = LAUNCHED_CASES[case]
+    assert result.returncode == code, result.stdout[-3000:] + result.stderr[-3000:]
+    said = [
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if re.match(r"(\[worker \d+\] )?error:", line)
+    ]
+    if message is None:
+        assert result.stdout.startswith("usage: python -m tfmp.launch") and not result.stderr and not said
+        return
+    last = result.stderr.strip().splitlines()[-1]
+    assert said == [last] and last.startswith("error: ") and message in last, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    range(len(RUN_CASES)),
+    ids=[f"{app}:{' '.join(args)}:{extra or ''}" for app, args, extra, *_ in RUN_CASES],
+)
+def test_a_run_ends_in_one_line_or_works(runs, case):
+    """A fault mid-run (a damaged file, SIGTERM while model.keras is written) is one line with its
+    exit status and nothing half-written, and the next run resumes; odd but valid input works."""
+    result = runs.apps[("run", case)]
+    _, _, _, code, message, check = RUN_CASES[case]
+    output = result["stdout"][-3000:] + result["stderr"][-3000:]
+    assert result["returncode"] == code and "Traceback" not in result["stderr"], output
+    if message is None:
+        assert not re.search(r"^(error|preempted|interrupted):", result["stderr"], re.MULTILINE), output
+    else:
+        lines = result["stderr"].strip().splitlines()
+        message = message.replace("WORK", str(runs.work))
+        assert len(lines) == 1 and re.match(r"(error|preempted): ", lines[0]) and message in lines[0], output
+    assert all(f"{path}/".startswith(f"{runs.work}/") for path in result["written"]), result["written"]
+    if check is not None:
+        check(result, runs.work, runs.fixtures)
 
 
 # The Python API: a UsageError naming the value, raised before anything is written.
@@ -375,6 +616,18 @@ API_CASES = [
     (lambda tmp: tfmp.fit(_tiny_model(), _tiny_data([0, 1]), model_dir=str(tmp / "a_file")), "a_file"),
     (lambda tmp: tfmp.fit(_tiny_model(), _tiny_data([0, 7]), model_dir=str(tmp / "run")), "7"),
     (lambda tmp: tfmp.fit(_tiny_model(), _tiny_data([0, 1]), epochs=0, model_dir=str(tmp / "run")), "epochs"),
+    (
+        lambda tmp: tfmp.fit(
+            _tiny_model(), _tiny_data([0, 1]), class_weight={"a": 1.0}, model_dir=str(tmp / "run")
+        ),
+        "class_weight keys must be class ids 0, 1, ...; got ['a']",
+    ),
+    (
+        lambda tmp: tfmp.fit(
+            _tiny_model(), _tiny_data([0, 1]), class_weight={0: "x"}, model_dir=str(tmp / "run")
+        ),
+        "class_weight values must be finite numbers; got ['x']",
+    ),
 ]
 
 
@@ -387,3 +640,53 @@ def test_api_refuses_before_writing(tmp_path, case):
         call(tmp_path)
     assert message in str(raised.value) and "\n" not in str(raised.value)
     assert sorted(os.listdir(tmp_path)) == ["a_file", "dangling"]
+
+
+def test_a_resume_drops_the_metrics_records_past_its_checkpoint(tmp_path):
+    """metrics.jsonl of a run killed at step 8 after the checkpoint of step 5 (and a record cut
+    short): the resume from step 5 logs steps 6... again, so the file's steps never go back."""
+    metrics = tmp_path / run_dir.METRICS_FILE
+    killed = "".join(json.dumps({"step": step, "split": "train"}) + "\n" for step in range(1, 9))
+    metrics.write_text(killed + '{"step": 9, "spl')
+    reporter = Reporter(str(tmp_path), verbose=False, start_step=5)
+    reporter.scalars(6, "train", {"loss": 1.0})
+    reporter.close()
+    assert [record["step"] for record in _records(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    reporter = Reporter(
+        str(tmp_path), verbose=False
+    )  # no start step given (tfmp.fit): from the first record on
+    reporter.scalars(3, "train", {"loss": 1.0})
+    reporter.close()
+    assert [record["step"] for record in _records(tmp_path)] == [1, 2, 3]
+
+
+def test_the_file_a_decode_error_came_from_is_named(tmp_path):
+    """TensorFlow's error names the op, not the file: the run finds the file among its dataset's
+    (by the size a PNG's error gives, first) and says what is wrong with it in its one line."""
+    rng = np.random.default_rng(0)
+    for name in ("a.png", "b.png", "gone.png"):
+        _image(tmp_path / name, rng)
+    _image(tmp_path / "damaged.png", rng, size=64)
+    with open(tmp_path / "damaged.png", "r+b") as file:
+        file.seek(os.path.getsize(tmp_path / "damaged.png") // 2)
+        file.write(bytes(200))
+    paths = [str(tmp_path / name) for name in ("a.png", "b.png", "damaged.png", "gone.png")]
+
+    def decoded(paths):
+        return list(
+            tf.data.Dataset.from_tensor_slices(paths).map(lambda path: decoding.decode(tf.io.read_file(path)))
+        )
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        decoded(paths)
+    path, reason = decoding.failing_file(paths, raised.value)
+    assert path == paths[2] and reason.startswith("Invalid PNG data, size ")
+    assert "damaged.png does not decode (Invalid PNG data" in decoding.stopped_by("folder:x", path, reason)
+    os.remove(paths[3])
+    with pytest.raises(tf.errors.NotFoundError) as raised:
+        decoded(paths[3:])
+    path, reason = decoding.failing_file(paths[:2] + paths[3:], raised.value)
+    assert path == paths[3] and "gone.png disappeared while the run read it" in decoding.stopped_by(
+        "d", path, reason
+    )
+    assert decoding.failing_file(paths[:2], tf.errors.InvalidArgumentError(None, None, "no file's")) is None

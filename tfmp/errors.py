@@ -28,6 +28,12 @@ class NonFiniteInput(TrainingDiverged):
     the data needs fixing, not the learning rate or the loss scale."""
 
 
+class CorruptInput(RuntimeError):
+    """A data file failed to decode mid-run (exit status 6): damaged inside, where the check before
+    the run, which reads each file's ends, cannot see it. The message names the file, and the
+    checkpoint a rerun resumes from once the file is removed or repaired."""
+
+
 class WriteFailed(RuntimeError):
     """A write into the run failed mid-run (disk full, permission denied, read-only file system,
     file-size limit): the message names the path and the fix; what was already saved is whole
@@ -39,7 +45,7 @@ class PeerLost(RuntimeError):
     it and the command that resumes from the last checkpoint."""
 
 
-EXIT_USAGE, EXIT_DIVERGED, EXIT_WRITE_FAILED, EXIT_PEER_LOST = 2, 3, 4, 5
+EXIT_USAGE, EXIT_DIVERGED, EXIT_WRITE_FAILED, EXIT_PEER_LOST, EXIT_CORRUPT_INPUT = 2, 3, 4, 5, 6
 EXIT_PREEMPTED = 42  # as tf.distribute's PreemptionCheckpointHandler: "checkpoint saved, restart me"
 
 

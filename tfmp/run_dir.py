@@ -7,7 +7,8 @@ A run directory (`--model_dir`, default `runs/<model>-<dataset>-<time>`) holds:
     metrics.jsonl      one JSON object per log point: step, split, loss, accuracy, lr, ...
     checkpoints/       tf.train checkpoints (model, optimizer, loss scale, step, global batch)
     model.keras        the trained model, saved by the chief at the end
-    run.lock           held (flock) by the run writing here; names its host and PID (see `lock`)
+    run.lock           held (flock) by the run writing here; names its host and PID (see `lock`);
+                       removed when the run ends (a killed run's stays, unlocked: the next run takes it)
     export/<precision>/   what `apps.export` writes (see `tfmp.serving.export`)
     precision_report.json what `--diagnose_precision` measured (see `tfmp.precision.doctor`)
 
@@ -153,11 +154,15 @@ class RunLock:
     made: list[str]  # the directories `lock` created, deepest first
 
     def release(self) -> None:
-        """Unlocks; a directory `lock` made is removed again if the run wrote nothing else in it."""
+        """Removes run.lock (the run no longer lives) and unlocks; a directory `lock` made is removed
+        again if the run wrote nothing else in it."""
         if self.descriptor < 0:
             return
-        if self.made and os.listdir(self.made[0]) == [LOCK_FILE]:
-            os.remove(self.path)  # still locked: a run that opened it meanwhile sees another file
+        # Removed while still locked: a run that opened the file meanwhile finds it gone once it
+        # gets the lock, and locks a new one (`lock`'s loop).
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+        if self.made and not os.listdir(self.made[0]):
             for directory in self.made:
                 with contextlib.suppress(OSError):
                     os.rmdir(directory)

@@ -130,15 +130,16 @@ def with_resume(
 ) -> WriteFailed:
     """`error` with what a rerun does once the fault is fixed: resume from the checkpoint of
     `saved_step` in `location` (None: nothing saved yet), by `command` or the same command."""
+    return WriteFailed(f"{error}, then {rerun(saved_step, location, command)}")
+
+
+def rerun(saved_step: int | None, location: str | None, command: str | None = None) -> str:
+    """ "run CMD: it resumes from the checkpoint of step N in DIR" (or: starts from step 0)."""
     if location is None:
-        after = "then run it again (nothing is saved without a model_dir)"
-    elif saved_step is None:
-        after = f"then run {_command(command)}: no checkpoint was saved yet, so it starts from step 0"
-    else:
-        after = (
-            f"then run {_command(command)}: it resumes from the checkpoint of step {saved_step} in {location}"
-        )
-    return WriteFailed(f"{error}, {after}")
+        return "run it again (nothing is saved without a model_dir)"
+    if saved_step is None:
+        return f"run {_command(command)}: no checkpoint was saved yet, so it starts from step 0"
+    return f"run {_command(command)}: it resumes from the checkpoint of step {saved_step} in {location}"
 
 
 def then_rerun(error: WriteFailed, command: str | None = None) -> WriteFailed:

@@ -9,10 +9,12 @@ A dataset is named by a spec string:
   eval is its ``test`` split, else ``validation``, else the last 10% of ``train``. NAME may
   carry a config and version (``tfds:mnist:3.*.*``). Split sizes are 0 when TFDS doesn't know
   them (not prepared, or under ``tfds.testing.mock_data``).
-* ``folder:PATH`` one sub-folder per class of jpg/png/bmp/gif files (``image_size`` default 64).
+* ``folder:PATH`` one sub-folder per class of jpg/png/bmp/gif/webp files (``image_size`` default 64).
   ``PATH/train`` + ``PATH/val`` (or ``validation``/``test``) are used as splits when present,
   otherwise every 10th file of each class (sorted order) is held out for eval. `describe`
   refuses a folder with a file that is not a whole image (`tfmp.input.image_files`), naming it.
+  Every image decodes to RGB (`tfmp.input.decoding`: a WebP's or PNG's alpha dropped), and file
+  and class folder names need not be UTF-8 (class names then show the bytes escaped, ``\xff``).
 
 Usage::
 
@@ -44,7 +46,7 @@ from absl import logging
 
 from tfmp.classification import drawing
 from tfmp.errors import UsageError
-from tfmp.input import image_files, stream, tfds_reader
+from tfmp.input import decoding, image_files, stream, tfds_reader
 from tfmp.input import spec as specs
 from tfmp.input.source import Source
 from tfmp.input.stream import with_threads  # noqa: F401  (re-exported: callers use data.with_threads)
@@ -53,7 +55,7 @@ SHAPES_TRAIN_EXAMPLES, SHAPES_EVAL_EXAMPLES = 12_000, 2_000
 DIGITS_TRAIN_EXAMPLES, DIGITS_EVAL_EXAMPLES = 20_000, 2_000
 SYNTHETIC_TRAIN_EXAMPLES, SYNTHETIC_EVAL_EXAMPLES = 12_000, 2_000
 SPLITS = specs.SPLITS
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
 DEFAULT_IMAGE_SIZE = {"shapes": 32, "synthetic": 32, "folder": 64}
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 1024
 TFDS_SHUFFLE_BUFFER = 10_000  # encoded records: bounded; index/path streams shuffle fully
@@ -70,6 +72,9 @@ class DatasetInfo:
     train_examples: int  # 0 when unknown (a TFDS dataset whose split sizes TFDS doesn't know)
     eval_examples: int
     class_names: tuple[str, ...] | None = None  # label index -> name, where the dataset has names
+    # The image files a folder: dataset decodes (train and eval): a run that fails to decode one
+    # mid-run names it (`tfmp.input.decoding.failing_file`). Empty for the other datasets.
+    files: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
 
 SHAPES_CLASS_NAMES = (
@@ -219,26 +224,21 @@ def _tfds_source(spec, name, split, size, data_dir, verify):
 
 # ----------------------------------------------------------------------------- folders
 def _folder_files(path):
-    """(class names, train [(file, label)], eval [(file, label)]) of a `folder:` dataset."""
+    """(class folder names, train [(file, label)], eval [(file, label)]) of a `folder:` dataset;
+    local names as `os.listdir` gives them (surrogate-escaped where not UTF-8)."""
     root = os.path.expanduser(path)
-    if not tf.io.gfile.isdir(root):
+    if not decoding.isdir(root):
         raise UsageError(f"dataset folder {path!r} does not exist (or is not a folder)")
-    eval_dir = next(
-        (d for d in ("val", "validation", "test") if tf.io.gfile.isdir(os.path.join(root, d))), None
-    )
-    split_dirs = tf.io.gfile.isdir(os.path.join(root, "train")) and eval_dir
+    eval_dir = next((d for d in ("val", "validation", "test") if decoding.isdir(os.path.join(root, d))), None)
+    split_dirs = decoding.isdir(os.path.join(root, "train")) and eval_dir
     class_root = os.path.join(root, "train") if split_dirs else root
-    classes = sorted(
-        d.rstrip("/")
-        for d in tf.io.gfile.listdir(class_root)
-        if tf.io.gfile.isdir(os.path.join(class_root, d))
-    )
+    classes = sorted(d for d in decoding.listdir(class_root) if decoding.isdir(os.path.join(class_root, d)))
 
     def files(directory, holdout):  # holdout: None = all files, True/False = eval/train part
         found = []
         for label, name in enumerate(classes):
             folder = os.path.join(directory, name)
-            names = sorted(tf.io.gfile.listdir(folder)) if tf.io.gfile.isdir(folder) else []
+            names = sorted(decoding.listdir(folder)) if decoding.isdir(folder) else []
             names = [n for n in names if n.lower().endswith(IMAGE_EXTENSIONS)]
             found += [
                 (os.path.join(folder, n), label)
@@ -257,10 +257,16 @@ def _folder_source(spec, path, split, size, verify, max_pixels):
     if not train:
         raise UsageError(
             f"dataset folder {path!r} has no images in class sub-folders "
-            f"(expected {path}/<class>/*.png|jpg|bmp|gif)"
+            f"(expected {path}/<class>/*.png|jpg|bmp|gif|webp)"
         )
     info = DatasetInfo(
-        spec, (size, size, 3), len(classes), len(train), len(evaluation), class_names=tuple(classes)
+        spec,
+        (size, size, 3),
+        len(classes),
+        len(train),
+        len(evaluation),
+        class_names=tuple(decoding.shown(name) for name in classes),
+        files=tuple(file for file, _ in train + evaluation),
     )
     if not evaluation and (verify or split == "eval"):
         raise UsageError(
@@ -270,10 +276,10 @@ def _folder_source(spec, path, split, size, verify, max_pixels):
     if verify:  # a bad file found now, before the run writes anything, not as a traceback mid-run
         image_files.check([file for file, _ in train + evaluation], spec, max_pixels=max_pixels)
     chosen = train if split == "train" else evaluation
-    paths, labels = [p for p, _ in chosen], [label for _, label in chosen]
+    paths, labels = [decoding.tf_path(p) for p, _ in chosen], [label for _, label in chosen]
 
     def decode(file_path, label):
-        raw = tf.io.decode_image(tf.io.read_file(file_path), channels=3, expand_animations=False)
+        raw = decoding.decode(tf.io.read_file(file_path), channels=3)
         return image_files.unit_float(raw, (size, size)), tf.cast(label, tf.int32)  # uint8 resized
 
     def examples(file_shard_context, _):  # one file per example: sharding files = sharding data

@@ -53,6 +53,8 @@ same number of steps and padding counts nowhere.
 
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 from absl import logging
 
@@ -65,7 +67,7 @@ from tfmp.detection.sources import (  # noqa: F401  (re-exported: data.Detection
     DetectionInfo,
 )
 from tfmp.errors import UsageError
-from tfmp.input import image_files, stream
+from tfmp.input import decoding, image_files, stream
 from tfmp.input import spec as specs
 from tfmp.input.source import Source
 
@@ -222,15 +224,20 @@ def read_image(path: str, image_size: int, max_pixels: int | None = image_files.
     per input pixel, original image uint8 [h, w, 3]). Multiply predicted boxes by `scale` to
     draw them on the original image. A file whose header declares more than `max_pixels`
     pixels (0: no limit) is refused before it is decoded (`image_files.oversized`)."""
-    if not tf.io.gfile.exists(path) or tf.io.gfile.isdir(path):
-        raise UsageError(f"image file {path!r} does not exist; pass existing image files")
+    exists = tf.io.gfile.exists(path) if decoding.is_remote(path) else os.path.exists(path)
+    if not exists or decoding.isdir(path):
+        raise UsageError(f"image file '{decoding.shown(path)}' does not exist; pass existing image files")
     too_large = image_files.oversized(path, max_pixels)
     if too_large:
-        raise UsageError(f"image file {path!r} is {too_large}; shrink it or raise --max_image_pixels")
+        raise UsageError(
+            f"image file '{decoding.shown(path)}' is {too_large}; shrink it or raise --max_image_pixels"
+        )
     try:
-        raw = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
+        raw = decoding.decode(tf.io.read_file(decoding.tf_path(path)), channels=3)
     except tf.errors.InvalidArgumentError:
-        raise UsageError(f"cannot decode image file {path!r}; use a jpg, png, bmp or gif") from None
+        raise UsageError(
+            f"cannot decode image file '{decoding.shown(path)}'; use a jpg, png, bmp, gif or webp"
+        ) from None
     image, _, _, scale = fit_to_square(raw, tf.zeros([0, 4]), tf.zeros([0], tf.int32), image_size)
     return image, float(scale), raw
 

@@ -32,7 +32,7 @@ from keras.utils import bounding_boxes
 
 from tfmp.detection import shapes
 from tfmp.errors import UsageError
-from tfmp.input import image_files, tfds_reader
+from tfmp.input import decoding, image_files, tfds_reader
 from tfmp.input.source import Source
 
 COCO_SPLITS = {"train": ("train2017", "train"), "eval": ("val2017", "val")}
@@ -54,6 +54,9 @@ class DetectionInfo:
     train_examples: int  # 0 when unknown (a TFDS dataset whose split sizes TFDS doesn't know)
     eval_examples: int
     max_boxes: int  # ground-truth rows per image (more are truncated)
+    # The image files a coco: dataset decodes (train and eval): a run that fails to decode one
+    # mid-run names it (`tfmp.input.decoding.failing_file`). Empty for the other datasets.
+    files: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
 
 def shapes_source(spec, split, size) -> Source:
@@ -347,8 +350,11 @@ def coco_source(spec, path, split, size, max_boxes, verify=False, max_pixels=ima
                 "coco:%s: clipped %d of %d boxes that reach outside their image", path, clipped, total
             )
     chosen = train if split == "train" else evaluation
-    info = DetectionInfo(spec, size, len(class_names), class_names, len(train), len(evaluation), max_boxes)
-    paths = [p for p, _, _ in chosen]
+    files = tuple(example[0] for example in train + evaluation)
+    info = DetectionInfo(
+        spec, size, len(class_names), class_names, len(train), len(evaluation), max_boxes, files=files
+    )
+    paths = [decoding.tf_path(p) for p, _, _ in chosen]
     lengths = [len(cs) for _, _, cs in chosen]
     boxes = tf.RaggedTensor.from_row_lengths(
         np.array([b for _, bs, _ in chosen for b in bs], np.float32).reshape(-1, 4), lengths
@@ -364,7 +370,7 @@ def coco_source(spec, path, split, size, max_boxes, verify=False, max_pixels=ima
         return dataset.shard(file_shard_context.num_input_pipelines, file_shard_context.input_pipeline_id)
 
     def decode(item):
-        raw = tf.io.decode_image(tf.io.read_file(item["path"]), channels=3, expand_animations=False)
+        raw = decoding.decode(tf.io.read_file(item["path"]), channels=3)
         xyxy = bounding_boxes.convert_format(item["boxes"], source="xywh", target="xyxy")
         return raw, xyxy, item["classes"]  # uint8: fit_to_square resizes it before it becomes float32
 

@@ -64,10 +64,14 @@ def resolve(
             f"number of bytes, e.g. {DEFAULT_BUCKET_BYTES} (25 MiB)"
         )
     if requested == "float16" and not loss_scaling:
+        scaling = (
+            "turn its loss scaling back on (--loss_scale=auto, dynamic or a number), which keeps them in range"
+            if policy == "mixed_float16"
+            else "train in mixed_float16, whose loss scaling keeps them in range"
+        )
         raise UsageError(
             f"--allreduce_dtype=float16 under the {policy} policy, without loss scaling: gradients "
-            "below float16's 6e-8 would be summed as zero, silently; use bfloat16 (float32's range), "
-            "or train in mixed_float16, whose loss scaling keeps them in range"
+            f"below float16's 6e-8 would be summed as zero, silently; use bfloat16 (float32's range), or {scaling}"
         )
     if replicas == 1:
         return Plan("float32", bucket_bytes, "one replica: nothing is all-reduced")

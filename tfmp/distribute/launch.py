@@ -12,10 +12,14 @@ from the last checkpoint in the shared --model_dir (torchrun semantics: a failur
 the progress since that checkpoint). SIGTERM/SIGINT/SIGHUP to the launcher is passed to the
 workers as SIGTERM, on which they save a checkpoint together and exit with EXIT_PREEMPTED.
 
-Exit status: 0; a worker's own status when it printed its own line (2 usage, 3 diverged, 4
-write failed, 5 peer lost, 42 preempted, 130 interrupted); 128 + N, with one `error:` or
-`interrupted:` line, when a worker died by signal N (137: SIGKILL, out of memory) or the
-launcher's stop signal N ended workers before they could save (143: SIGTERM, 130: ^C).
+Exit status: 0; a worker's own status when it said why (2 usage, 3 diverged, 4 write failed,
+5 peer lost, 6 a data file failed to decode, 42 preempted, 130 interrupted), its `error:` line
+said last by the launcher, once for all the workers that said the same; a worker's own status
+with one `error:` line naming it and its last line when it said nothing (it could not start);
+128 + N, with one `error:` or `interrupted:` line, when a worker died by signal N (137: SIGKILL,
+out of memory) or the launcher's stop signal N ended workers before they could save (143:
+SIGTERM, 130: ^C). More local workers than the host can run (`--max_workers_per_core` per core
+without GPUs, one GPU each with them) are refused before any starts.
 
 The local group runs in a network namespace of its own, loopback only (`--network`,
 tfmp/distribute/netns.py): TensorFlow's gRPC servers have no authentication and bind every
@@ -37,7 +41,7 @@ import time
 
 from tfmp.distribute import netns, scratch, workers
 from tfmp.distribute.cluster import parse_tf_config
-from tfmp.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE, UsageError
+from tfmp.errors import EXIT_USAGE, UsageError
 
 STARTUP_TIMEOUT_ENV = "TFMP_STARTUP_TIMEOUT"
 # One name per launched group (kept across restarts), so the workers of an app started without
@@ -46,7 +50,7 @@ RUN_NAME_ENV = "TFMP_RUN_NAME"
 # The launcher's own command line, for a worker's "how to resume" hint: re-running the worker's
 # command alone would not start its peers.
 LAUNCH_COMMAND_ENV = "TFMP_LAUNCH_COMMAND"
-PREEMPTION_GRACE_SECONDS = 120  # for the other workers to finish the preemption checkpoint
+MAX_WORKERS_PER_CORE = 4  # as --cpu_replicas: a few more than cores still test; 1000 would not start
 NETWORKS = ("auto", "private", "host")
 
 
@@ -99,10 +103,19 @@ def device_shares(workers: int, devices_per_worker: int | None) -> list[dict]:
     ]
 
 
-def _root_cause(failed: list[tuple[int, int]]) -> tuple[int, int]:
-    """The failure to report among workers seen failed in the same poll: a worker that lost its
-    peer (exit 5) only reports a consequence of the peer's failure."""
-    return next((item for item in failed if item[1] != EXIT_PEER_LOST), failed[0])
+def check_worker_count(num_workers: int, per_core: int = MAX_WORKERS_PER_CORE) -> None:
+    """A UsageError for more local workers than this host can run: `per_core` per usable core on
+    a CPU host (each worker is a whole TensorFlow process; 1000 would load the host until
+    something kills it). With GPUs `device_shares` refuses more workers than GPUs."""
+    if _gpu_count():
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if num_workers > per_core * cores:
+        raise UsageError(
+            f"--workers={num_workers} is more than this host can run: {per_core * cores} workers ({per_core} per "
+            f"core on its {cores} core(s)); use at most one per core, e.g. --workers={cores}, or raise the limit "
+            f"with --max_workers_per_core={-(-num_workers // cores)} if the host has the memory for them"
+        )
 
 
 def run_local_group(
@@ -112,13 +125,14 @@ def run_local_group(
     startup_timeout: int | None = None,
     stop: workers.StopSignals | None = None,
     exposed: str | None = None,
-) -> tuple[int | None, int | None]:
+) -> tuple[int | None, int | None, str | None]:
     """Runs one attempt of `num_workers` local workers.
 
-    Returns (the index of the worker whose exit status it is, or None; that status): 0 when all
-    succeeded, None when a stop signal came before all had started. `stop` holds the signals
-    the launcher got; `exposed` says why the workers run on this host's network (None: they
-    run in a private one), for a warning naming their ports.
+    Returns (the index of the worker whose exit status it is, or None; that status; the message
+    of the launcher's `error:` line, or None): status 0 when all succeeded, None when a stop
+    signal came before all had started. `stop` holds the signals the launcher got; `exposed`
+    says why the workers run on this host's network (None: they run in a private one), for a
+    warning naming their ports.
     """
     stop = stop or workers.StopSignals()
     shares = device_shares(num_workers, devices_per_worker)
@@ -144,7 +158,7 @@ def run_local_group(
             group.append(workers.Worker(index, command, env, share.get("cpus")))
             stop.processes.append(group[-1].process)
         if len(group) < num_workers:
-            return None, None  # told to stop while starting them: nothing trained yet
+            return None, None, None  # told to stop while starting them: nothing trained yet
         where = (
             "a private network: unreachable from other hosts" if exposed is None else "this host's network"
         )
@@ -157,43 +171,11 @@ def run_local_group(
                 file=sys.stderr,
                 flush=True,
             )
-        return _watch(group, stop)
+        index, code = workers.watch(group, stop)
     finally:
-        workers.stop(group)
+        workers.stop(group)  # after it, every line the workers printed has been read
         scratch.remove(folder)
-
-
-def _watch(group: list[workers.Worker], stop: workers.StopSignals) -> tuple[int | None, int]:
-    """Polls the group until it is done; see `run_local_group` for what it returns."""
-    while True:
-        stop.forward()
-        codes = [worker.poll() for worker in group]
-        for worker in group:
-            worker.release_held()
-        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-        if stop.received and (failed or all(code is not None for code in codes)):
-            # Told to stop: the workers are saving the same checkpoint, or dying before their
-            # first step; let them all end, then report a worker's own line over a death.
-            workers.wait(group, PREEMPTION_GRACE_SECONDS)
-            codes = [worker.poll() for worker in group]
-            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-            failed.sort(key=lambda item: item[1] < 0)
-            return failed[0] if failed else (None, 0)
-        if failed:
-            index, code = _root_cause(failed)
-            if code == EXIT_PREEMPTED:  # a worker's own preemption notice: its peers save too
-                workers.wait(group, PREEMPTION_GRACE_SECONDS)
-                return index, code
-            for worker in group:
-                if worker.index != index:
-                    worker.silence()  # what they say now is about the lost peer
-            # "exited with -9 (killed by SIGKILL)": the returncode as Popen gives it, and in words.
-            what = f"exited with {code}" + (f" ({workers.describe(code)})" if code < 0 else "")
-            print(f"[launch] worker {index} {what}; stopping the others", flush=True)
-            return index, code
-        if all(code is not None for code in codes):
-            return None, 0
-        time.sleep(0.1)
+    return index, code, workers.failure(group, index, code, command)
 
 
 def launch_local(
@@ -210,16 +192,18 @@ def launch_local(
     os.environ.setdefault(RUN_NAME_ENV, time.strftime("%Y%m%d-%H%M%S"))
     stop = workers.StopSignals()
     stop.install()
-    index, code = None, None
+    index, code, failure = None, None, None
     try:
         for attempt in range(max_restarts + 1):
             if stop.received:
                 break
-            index, code = run_local_group(
+            index, code, failure = run_local_group(
                 command, num_workers, devices_per_worker, startup_timeout, stop, exposed
             )
             if code == 0 or stop.received or attempt == max_restarts:
                 break
+            if failure:
+                print(f"[launch] attempt {attempt + 1} failed: {failure}", flush=True)
             print(
                 f"[launch] restart {attempt + 1}/{max_restarts}: resuming from the last checkpoint",
                 flush=True,
@@ -240,6 +224,8 @@ def launch_local(
             f"workers were stopped; the last checkpoint in the run's model_dir is kept; {_resume_how()}",
             file=sys.stderr,
         )
+    elif failure:
+        print(f"{workers.ERROR_PREFIX}{failure}", file=sys.stderr)
     return workers.exit_status(code)
 
 
@@ -270,7 +256,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _check_options(options: argparse.Namespace, command: list[str]) -> None:
     """Numbers that must be positive (or zero where zero means "default"), and a command that exists."""
-    at_least = {"workers": 0, "max_restarts": 0, "startup_timeout": 1, "devices_per_worker": 1}
+    at_least = {
+        "workers": 0,
+        "max_restarts": 0,
+        "startup_timeout": 1,
+        "devices_per_worker": 1,
+        "max_workers_per_core": 1,
+    }
     for name, low in at_least.items():
         value = getattr(options, name)
         if value is not None and value < low:
@@ -298,6 +290,12 @@ def _parser() -> _Parser:
         help="GPUs (or CPU cores) per local worker; default: an equal share",
     )
     parser.add_argument("--max_restarts", type=int, default=0, help="group restarts after a failure")
+    parser.add_argument(
+        "--max_workers_per_core",
+        type=int,
+        default=MAX_WORKERS_PER_CORE,
+        help="--workers on a host without GPUs: refused above this many per core (default %(default)s)",
+    )
     parser.add_argument(
         "--startup_timeout",
         type=int,
@@ -365,10 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, _interrupt)
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    options, command = parser.parse_args(argv[:split]), argv[split + 1 :]  # --help: printed, exit 0
     if "--" not in argv:
         parser.error("give the worker command after --, e.g. -- python -m apps.mnist")
-    split = argv.index("--")
-    options, command = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not command:
         parser.error("the worker command after -- is empty")
     os.environ[LAUNCH_COMMAND_ENV] = shlex.join([sys.executable, "-m", "tfmp.launch", *argv])
@@ -377,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         if options.workers:
             if options.hosts:
                 raise UsageError("--workers starts local workers; --hosts names remote ones: give one")
+            if options.task_index is not None:
+                raise UsageError(
+                    f"--task_index={options.task_index} is for --hosts (this host's worker of many); "
+                    "--workers numbers its local workers itself: drop --task_index"
+                )
+            check_worker_count(options.workers, options.max_workers_per_core)
             return launch_local(
                 command,
                 options.workers,

@@ -1,10 +1,13 @@
-"""One local worker process of a launched group, and what its exit status means.
+"""The local worker processes of a launched group: output, signals, exit statuses, what failed.
 
     worker = workers.Worker(index, command, env, cpus=[0])   # started; output as "[worker i] ..."
     worker.release_held()      # called often: prints held lines older than HOLD_SECONDS
     worker.silence()           # the group is being stopped: drop what it still says
+    worker.error, worker.last_line   # its own `error: ...` line (held back), the last line it printed
     workers.describe(-9)       # "killed by SIGKILL"
     stop = workers.StopSignals(); stop.install()   # the launcher's stop signals, passed on
+    index, code = workers.watch(group, stop)       # until done: the worker whose status it is
+    workers.failure(group, index, code, command)   # the launcher's one `error:` message, or None
 
 A worker pinned to `cpus` runs there (its share of this host's cores). It dies with the
 launcher: a launcher killed with SIGKILL cannot stop its workers, so the kernel does
@@ -16,6 +19,9 @@ few lines of gRPC detail), before the launcher can notice the death and stop the
 worker's C++ log lines, and whatever follows them, are held for HOLD_SECONDS before being
 printed: if the group is stopped meanwhile they are dropped, as consequences of the death
 the launcher reports.
+
+A worker's own one-line error (`error: ...`, what every tfmp app ends on) is held back too: the
+launcher ends on one `error:` line, saying the message once for all the workers that said it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,12 @@ import sys
 import threading
 import time
 
+from tfmp.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE
+
 HOLD_SECONDS = 1.0
+ERROR_PREFIX = "error: "
+PREEMPTION_GRACE_SECONDS = 120  # for the other workers to finish the preemption checkpoint
+USAGE_GRACE_SECONDS = 10  # for the other workers to say their usage error (the same, as a rule)
 PR_SET_PDEATHSIG = 1
 # absl's C++ log prefix: severity letter, MMDD, time, thread, file:line]
 _CPP_LOG_LINE = re.compile(r"^[EWF]\d{4} [\d:.]+ +\d+ [\w./-]+:\d+\] ")
@@ -59,6 +70,8 @@ class Worker:
         self._lock = threading.Lock()
         self._held: list[tuple[float, str]] = []
         self._silenced = False
+        self.error: str | None = None  # the message of its `error: ...` line, not printed
+        self.last_line: str | None = None  # the last non-empty line it printed
         launcher = os.getpid()
 
         def prepare():  # runs in the child before exec
@@ -83,8 +96,13 @@ class Worker:
     def _print(self):
         for line in self.process.stdout:
             with self._lock:
+                if line.startswith(ERROR_PREFIX):  # the launcher says it, once for every worker
+                    self.error = line[len(ERROR_PREFIX) :].strip()
+                    continue
                 if self._silenced:
                     continue
+                if line.strip():
+                    self.last_line = line.strip()
                 if self._held or _CPP_LOG_LINE.match(line):
                     self._held.append((time.monotonic(), line))
                 else:
@@ -168,3 +186,73 @@ def stop(workers: list[Worker]) -> None:
         worker.process.wait()
         worker.printer.join(timeout=5)
         worker.release_held(0.0)
+        if worker.error and worker.process.returncode == 0:  # said, yet succeeded: shown as said
+            _write(worker.index, [ERROR_PREFIX + worker.error + "\n"])
+
+
+def _root_cause(failed: list[tuple[int, int]]) -> tuple[int, int]:
+    """The failure to report among workers seen failed in the same poll: a worker that lost its
+    peer (exit 5) only reports a consequence of the peer's failure."""
+    return next((item for item in failed if item[1] != EXIT_PEER_LOST), failed[0])
+
+
+def failure(group: list[Worker], index: int | None, code: int | None, command: list[str]) -> str | None:
+    """The launcher's `error:` message for worker `index` that exited with `code` > 0 (not 42):
+    its own error line once, naming every worker that said the same; or, when it said none (it
+    could not start, or crashed), its exit status and last line. None for anything else."""
+    if index is None or not code or code < 0 or code == EXIT_PREEMPTED:
+        return None
+    failed = group[index]
+    if failed.error is None:
+        said = (
+            f" without an error line (its last line: {failed.last_line})"
+            if failed.last_line
+            else ", printing nothing"
+        )
+        hint = "see its output above"
+        if failed.last_line and "No module named" in failed.last_line:
+            hint = f"is tfmp installed for {command[0]}, the program the worker command runs?"
+        return f"worker {index} exited with {code}{said}: {hint}; the other workers were stopped"
+    said = [worker.index for worker in group if worker.error == failed.error and worker.poll() == code]
+    for worker in group:  # a different message of its own (not a lost peer's): shown, not dropped
+        if worker.error and worker.error != failed.error and worker.poll() not in (EXIT_PEER_LOST, None):
+            print(f"[worker {worker.index}] {ERROR_PREFIX}{worker.error}", flush=True)
+    who = f"worker {said[0]}" if len(said) == 1 else "workers " + ", ".join(map(str, said))
+    return f"{failed.error} ({who})"
+
+
+def watch(group: list[Worker], stop: StopSignals) -> tuple[int | None, int]:
+    """Polls the group until it is done: (the index of the worker whose exit status it is, or None;
+    that status), 0 when all succeeded. A failed worker's peers are silenced (what they say now
+    is about the lost peer), after letting them end on their own where they will say the same."""
+    while True:
+        stop.forward()
+        codes = [worker.poll() for worker in group]
+        for worker in group:
+            worker.release_held()
+        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+        if stop.received and (failed or all(code is not None for code in codes)):
+            # Told to stop: the workers are saving the same checkpoint, or dying before their
+            # first step; let them all end, then report a worker's own line over a death.
+            wait(group, PREEMPTION_GRACE_SECONDS)
+            codes = [worker.poll() for worker in group]
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            failed.sort(key=lambda item: item[1] < 0)
+            return failed[0] if failed else (None, 0)
+        if failed:
+            index, code = _root_cause(failed)
+            if code == EXIT_PREEMPTED:  # a worker's own preemption notice: its peers save too
+                wait(group, PREEMPTION_GRACE_SECONDS)
+                return index, code
+            if code == EXIT_USAGE:  # its peers run the same checks: let them say theirs too
+                wait(group, USAGE_GRACE_SECONDS)
+            for worker in group:
+                if worker.index != index:
+                    worker.silence()  # what they say now is about the lost peer
+            # "exited with -9 (killed by SIGKILL)": the returncode as Popen gives it, and in words.
+            what = f"exited with {code}" + (f" ({describe(code)})" if code < 0 else "")
+            print(f"[launch] worker {index} {what}; stopping the others", flush=True)
+            return index, code
+        if all(code is not None for code in codes):
+            return None, 0
+        time.sleep(0.1)

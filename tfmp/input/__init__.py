@@ -9,6 +9,9 @@
 * `image_files` image files sniffed (first and last bytes, the size their header declares)
                before a run starts: a bad or oversized file is one error line naming it;
                decoding resized from 8-bit pixels
+* `decoding`   image files decoded one way by every reader and by that check (to the model's
+               channels, WebP included), names that are not UTF-8, and the file a run's
+               decode error came from
 
 The tasks' data modules (`tfmp.classification.data`, `tfmp.detection.data`) build on these.
 """

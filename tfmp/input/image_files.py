@@ -8,12 +8,15 @@ PNG, GIF, BMP, WebP or JPEG XL; anything else (an empty file, an HTML error page
 pointer saved as .jpg) is refused at once. A whole file ends in a known way: a JPEG with its
 end-of-image marker, a PNG with its IEND chunk, a GIF with its trailer, a BMP or WebP at least
 as long as its header says. A file that does not (cut short, or with bytes appended, as phones
-append a video to a "motion photo") is decoded once, in full, and refused only if that fails:
-the verdict is the decoder's own, the cost two small reads per good file (about 0.2 s per
-10,000 cached files on 2 cores, 0.7 s uncached; ImageNet's 1.3M: ~30 s and ~90 s).
+append a video to a "motion photo") is decoded once, in full, as the run decodes it
+(`tfmp.input.decoding.decode`: 3 channels, a WebP's alpha dropped), and refused only if that
+fails: the verdict is the decoder's own, the cost two small reads per good file (about 0.2 s per
+10,000 cached files on 2 cores, 0.7 s uncached; ImageNet's 1.3M: ~30 s and ~90 s). A BMP of a
+bit depth TensorFlow's decoder does not read (1, 4 or 16 bits) is refused from its header.
 
 Damage in the middle of a file that keeps its ends intact passes: a JPEG then decodes to a
-partly grey image (libjpeg prints "Corrupt JPEG data"), a PNG fails in training.
+partly grey image (libjpeg prints "Corrupt JPEG data"), a PNG or GIF fails in training, where
+the run names it (`decoding.failing_file`) and stops in one line.
 
 Decompression bombs: a file far smaller than its image (a 1 MB PNG of 20000x20000 zeros decodes
 to 1.2 GB of uint8, 4.8 GB as float32) is refused from its header, before anything decodes it:
@@ -30,16 +33,14 @@ frame's size, even when it keeps only the first). A JPEG XL's size is not read (
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import io
-import os
-import sys
 
 import tensorflow as tf
 
 from tfmp.errors import UsageError
+from tfmp.input import decoding
 
 FORMATS = "JPEG, PNG, GIF, BMP, WebP or JPEG XL"
 HEAD, TAIL = 32, 64  # bytes read from each end: every signature and end marker fits
@@ -50,6 +51,7 @@ MAX_IMAGE_PIXELS = 89_478_485  # Pillow's Image.MAX_IMAGE_PIXELS: 1024**3 // 4 /
 _JPEG_SEGMENTS = 1024  # markers walked to find a JPEG's SOFn (a camera file has about 10 before it)
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _JPEG_NO_LENGTH = {0x01, *range(0xD0, 0xDA)}  # TEM, RSTn, SOI, EOI: markers without a length
+_BMP_BITS = (8, 24, 32)  # bits per pixel TensorFlow's BMP decoder reads (1, 3 or 4 bytes a pixel)
 
 
 def _format(head: bytes) -> str | None:
@@ -258,6 +260,11 @@ def _sniff(path: str, max_pixels: int = 0) -> _Verdict:
     too_large = _too_large(kind, declared, size, max_pixels)
     if too_large:  # refused before the decode a doubtful end would cost
         return _Verdict(too_large, oversized=True)
+    bits = int.from_bytes(head[28:30], "little") if kind == "BMP" and len(head) >= 30 else None
+    if bits is not None and bits not in _BMP_BITS:
+        return _Verdict(
+            f"a {bits}-bit BMP: TensorFlow's decoder reads 8, 24 and 32-bit ones; convert it, e.g. to PNG"
+        )
     missing = _whole(kind, head, tail, size)
     return _Verdict(lacking=missing and f"{kind}: {missing}")
 
@@ -268,29 +275,6 @@ def oversized(path: str, max_pixels: int | None = MAX_IMAGE_PIXELS) -> str | Non
     of a size no header read here gives (the decoder then has the last word)."""
     verdict = _sniff(path, pixel_limit(max_pixels))
     return verdict.why if verdict.oversized else None
-
-
-def _decodes(path: str) -> bool:
-    try:
-        tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
-    except (tf.errors.OpError, OSError):
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """libjpeg prints its complaints about a broken file itself ("Improper call to JPEG
-    library..."): the refusal that follows says it in one line, so they go to /dev/null."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def unit_float(image, size=None):
@@ -319,9 +303,9 @@ def _verdicts(paths: list, threads: int, max_pixels: int) -> list[_Verdict]:
             sniffed = [verdict for part in pool.map(sniff, chunks) for verdict in part]
     doubtful = [index for index, verdict in enumerate(sniffed) if verdict.lacking]
     if doubtful:  # cut short, or bytes appended after the image: only the decoder can tell
-        with _quiet_stderr():
+        with decoding.quiet_stderr():
             for index in doubtful:
-                if not _decodes(paths[index]):
+                if decoding.problem(paths[index]) is not None:  # as the run decodes it
                     sniffed[index] = _Verdict(
                         f"truncated or corrupt {sniffed[index].lacking}, and it does not decode"
                     )
@@ -361,10 +345,10 @@ def check(
         path, verdict = large[0]
         others = f" ({len(bad) - 1} more unusable file(s))" if len(bad) > 1 else ""
         raise UsageError(
-            f"{what}: {os.fspath(path)} is {verdict.why}{others}; shrink or remove it, or raise "
+            f"{what}: {decoding.shown(path)} is {verdict.why}{others}; shrink or remove it, or raise "
             "--max_image_pixels (0: no limit) if you trust the file"
         )
     path, verdict = bad[0]
     raise UsageError(
-        f"{what}: {len(bad)} file(s) are not readable images, first {os.fspath(path)} ({verdict.why}); {fix}"
+        f"{what}: {len(bad)} file(s) are not readable images, first {decoding.shown(path)} ({verdict.why}); {fix}"
     )

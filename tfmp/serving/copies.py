@@ -24,6 +24,7 @@ from tfmp.errors import UsageError
 from tfmp.serving.layers import FoldedBatchNorm
 
 _FOLDABLE = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D, keras.layers.Dense)
+PRECISIONS = ("float32", "float16", "bfloat16", "mixed")  # an inference copy's (apps.export --precision)
 
 
 def layer_policy(precision: str) -> str:

@@ -52,7 +52,7 @@ from tfmp.errors import UsageError, unknown
 from tfmp.serving import copies, predictors, trust
 
 FORMATS = ("saved_model", "tflite", "keras")
-PRECISIONS = ("float32", "float16", "bfloat16", "mixed")
+PRECISIONS = copies.PRECISIONS
 SAVED_MODEL_DIR, TFLITE_FILE, KERAS_FILE = "saved_model", "model.tflite", "model.keras"
 FILE_NAMES = {"saved_model": SAVED_MODEL_DIR, "tflite": TFLITE_FILE, "keras": KERAS_FILE}
 INPUT_NAME, OUTPUT_NAME = "images", "probabilities"

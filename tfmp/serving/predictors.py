@@ -35,9 +35,9 @@ import tensorflow as tf
 from tfmp import precision as _precision  # noqa: F401  registers the loss-scale optimizer a run saves
 from tfmp import run_dir
 from tfmp.errors import UsageError
-from tfmp.input import image_files
+from tfmp.input import decoding, image_files
+from tfmp.serving import copies, trust
 from tfmp.serving import layers as _layers  # noqa: F401  registers FoldedBatchNorm for exported .keras
-from tfmp.serving import trust
 
 IMAGES_INPUT = "images"  # the images' key when a model's inputs are a dict
 
@@ -94,19 +94,21 @@ def read_images(
     images = []
     for path in paths:
         if os.path.isdir(path):
-            raise UsageError(f"image {path!r} is a directory; give image files, e.g. {path}/*.png")
+            raise UsageError(
+                f"image '{decoding.shown(path)}' is a directory; give image files, e.g. {path}/*.png"
+            )
         too_large = image_files.oversized(path, max_pixels)
         if too_large:
             raise UsageError(
-                f"image {path!r} is {too_large}; shrink it, or raise --max_image_pixels (0: no limit)"
+                f"image '{decoding.shown(path)}' is {too_large}; shrink it, or raise --max_image_pixels (0: no limit)"
             )
-        try:
-            raw = tf.io.decode_image(
-                tf.io.read_file(path), channels=preprocessing.channels, expand_animations=False
-            )
+        try:  # as training decodes: a WebP's alpha dropped, the model's channels whatever the file's
+            raw = decoding.decode(tf.io.read_file(decoding.tf_path(path)), preprocessing.channels)
         except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError, ValueError) as error:
             reason = "no such file" if isinstance(error, tf.errors.NotFoundError) else "not a decodable image"
-            raise UsageError(f"image {path!r}: {reason}; give jpg, png, bmp or gif files") from None
+            raise UsageError(
+                f"image '{decoding.shown(path)}': {reason}; give jpg, png, bmp, gif or webp files"
+            ) from None
         # Resized from the decoded integers: a large photo is never held as full-size float32.
         images.append(image_files.unit_float(raw, (preprocessing.height, preprocessing.width)).numpy())
     return (
@@ -166,6 +168,12 @@ class Predictor(abc.ABC):
         self.metadata = metadata
         self.class_names = tuple(metadata["class_names"]) if metadata.get("class_names") else None
         self.preprocessing = Preprocessing.from_shape(self.input_shape())
+        recorded = (metadata.get("preprocessing") or {}).get("image_shape")
+        if recorded is not None and list(recorded) != list(self.input_shape()):  # an edited export.json
+            raise UsageError(
+                f"--model={path}: its export.json says images of {recorded}, but the model takes "
+                f"{list(self.input_shape())}; export the run again with apps.export"
+            )
 
     @abc.abstractmethod
     def input_shape(self) -> tuple[int, int, int]:
@@ -393,8 +401,35 @@ def export_metadata(directory: str) -> dict | None:
         raise UsageError(
             f"{path}: class_names must be a list of strings, not {json.dumps(names)[:60]}; {fix}"
         )
+    _check_common(path, metadata, fix)
     _check_section(path, metadata, kind, fix)
     return metadata
+
+
+def _check_common(path: str, metadata: dict, fix: str) -> None:
+    """The fields every export writes, where present: its precision, and the preprocessing a
+    server applies (its image shape is checked against the model's own when the model loads)."""
+    precision = metadata.get("precision")
+    if precision is not None and precision not in copies.PRECISIONS:
+        raise UsageError(
+            f"{path}: precision must be one of {', '.join(copies.PRECISIONS)}, not {json.dumps(precision)[:60]}; {fix}"
+        )
+    if "preprocessing" not in metadata:
+        return
+    preprocessing = metadata["preprocessing"]
+    shape = preprocessing.get("image_shape") if isinstance(preprocessing, dict) else None
+    if not (isinstance(shape, list) and len(shape) == 3 and _SECTION_CHECKS["counts"][0](shape)):
+        raise UsageError(
+            f"{path}: preprocessing.image_shape must be [height, width, channels], not "
+            f"{json.dumps(shape)[:60] if shape is not None else 'missing'}; {fix}"
+        )
+    wanted = Preprocessing.from_shape(shape).to_json()
+    for key in ("dtype", "value_range"):  # what every tfmp model takes, and apps.predict gives
+        if preprocessing.get(key, wanted[key]) != wanted[key]:
+            raise UsageError(
+                f"{path}: preprocessing.{key} must be {json.dumps(wanted[key])} (what the model was trained "
+                f"on), not {json.dumps(preprocessing[key])[:60]}; {fix}"
+            )
 
 
 def _check_section(path: str, metadata: dict, kind: str, fix: str) -> None:

@@ -32,13 +32,15 @@ import glob
 import logging as python_logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 
 import tensorflow as tf
 from absl import logging
 
 from tfmp import run_dir, write_faults
-from tfmp.errors import UsageError
+from tfmp.errors import Preempted, UsageError
 
 SUBDIR = run_dir.CHECKPOINT_DIR
 STATE_FILE = "checkpoint"  # tf.train.CheckpointManager's list of kept checkpoints
@@ -178,6 +180,21 @@ class Checkpoints:
         self.saved_step = step  # only now: the state file names it once its files are written
         return path
 
+    def save_model(self, model, resume_command: str | None = None) -> None:
+        """The chief's model.keras at the end of a run, written whole or not at all; a SIGTERM while
+        it is written (a scheduler's preemption notice) stops it as a preemption does, with the
+        temporary file removed and one line: the checkpoint of the last step is saved, and
+        `resume_command` (which finds training done and saves the model) writes it."""
+        path = os.path.join(self.model_dir, run_dir.MODEL_FILE)
+        rerun = f"resume with: {resume_command}" if resume_command else "run the same command again"
+        preempted = Preempted(
+            f"SIGTERM while {path} was written: it was not (no half-written file is left); the checkpoint "
+            f"of step {self.saved_step} in {self.location} holds the trained model; {rerun} to write it"
+        )
+        with _raising_on_sigterm(preempted), write_faults.guarded("saving the model", path):
+            with run_dir.atomic_path(path) as temporary:
+                model.save(temporary)
+
     def close(self) -> None:
         if not self.is_chief:
             shutil.rmtree(self.directory, ignore_errors=True)
@@ -189,6 +206,24 @@ def _untracked_variables(model) -> list:
     resumed run draws the random numbers the uninterrupted one would have."""
     reached = {id(item) for item in tf.train.TrackableView(model).descendants()}
     return [variable for variable in model.variables if id(variable) not in reached]
+
+
+@contextlib.contextmanager
+def _raising_on_sigterm(error: Exception):
+    """SIGTERM raises `error` in the main thread meanwhile (instead of ending the process at once,
+    which would leave no line and a temporary file); elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise error
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _files_on_disk(directory: str) -> list[str]:

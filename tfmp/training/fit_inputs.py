@@ -278,8 +278,13 @@ def with_class_weight(data: FitData, class_weight: dict) -> FitData:
             f"{data.what}: class_weight works for labels of rank 1 or 2 (class ids or one-hot), "
             f"not rank {labels_spec.shape.rank} (as in Keras); pass sample_weight instead"
         )
-    if any(not float(key).is_integer() or key < 0 for key in class_weight):
-        raise UsageError(f"class_weight keys must be class ids 0, 1, ...; got {sorted(class_weight)}")
+    numbers = (int, float, np.integer, np.floating)
+    if not all(isinstance(key, numbers) and float(key).is_integer() and key >= 0 for key in class_weight):
+        raise UsageError(f"class_weight keys must be class ids 0, 1, ...; got {list(class_weight)!r:.80}")
+    if not all(isinstance(value, numbers) and np.isfinite(value) for value in class_weight.values()):
+        raise UsageError(
+            f"class_weight values must be finite numbers; got {list(class_weight.values())!r:.80}"
+        )
     table = tf.constant(
         [float(class_weight.get(index, 1.0)) for index in range(int(max(class_weight)) + 1)], tf.float32
     )

@@ -9,9 +9,11 @@ keeps quiet. Files in the model dir:
     tensorboard/{train,eval}/   the same scalars for `tensorboard --logdir`
 
 The run card is written whole (renamed into place); metrics.jsonl is opened at the first record
-(a run that fails at its start leaves none) and a last line cut short by a fault is dropped before
-appending. A write that fails for a full disk, a read-only file system, a denied permission or a
-file-size limit raises `tfmp.errors.WriteFailed` naming the file (see `tfmp.write_faults`).
+(a run that fails at its start leaves none), and before appending, a last line cut short by a
+fault is dropped, and so are the records of a killed run past the checkpoint this run resumes
+from (`start_step`), which it logs again: the steps never go backwards. A write that fails for a
+full disk, a read-only file system, a denied permission or a file-size limit raises
+`tfmp.errors.WriteFailed` naming the file (see `tfmp.write_faults`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -30,6 +33,7 @@ from tensorflow.core.framework import summary_pb2
 from tfmp import run_dir, write_faults
 from tfmp.errors import WriteFailed
 
+_STEP = re.compile(rb'"step": *(-?[0-9.]+)')  # json.dumps writes it first: no full parse needed
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 ).SerializeToString()
@@ -55,8 +59,17 @@ def format_run_card(card: dict) -> str:
 class Reporter:
     """Writes run card, scalars and progress; a no-op writer where `model_dir` is None."""
 
-    def __init__(self, model_dir: str | None, verbose: bool = True, tags: dict | None = None):
+    def __init__(
+        self,
+        model_dir: str | None,
+        verbose: bool = True,
+        tags: dict | None = None,
+        start_step: int | None = None,
+    ):
+        """`start_step`: the step the run resumes from (records past it are dropped); None: the
+        first record's step less one (records from that step on are dropped)."""
         self.model_dir = model_dir
+        self.start_step = start_step
         self.verbose = verbose
         self.tags = dict(tags or {})  # written as they are into every metrics.jsonl record
         self._writers = {}
@@ -71,10 +84,10 @@ class Reporter:
             with write_faults.guarded("writing the run card", path):
                 run_dir.write_text_atomic(path, json.dumps(card, indent=2, default=str))
 
-    def _metrics(self):
+    def _metrics(self, step: int):
         if self._metrics_file is None:
             path = os.path.join(self.model_dir, run_dir.METRICS_FILE)
-            _drop_cut_line(path)
+            _keep_records_up_to(path, step - 1 if self.start_step is None else self.start_step)
             self._metrics_file = open(path, "a", encoding="utf-8")
         return self._metrics_file
 
@@ -93,8 +106,8 @@ class Reporter:
         record = {"step": step, "split": split, "time": round(time.time(), 3), **self.tags}
         record.update({k: np.asarray(v, np.float64).tolist() for k, v in values.items()})
         with write_faults.guarded(f"logging step {step}", os.path.join(self.model_dir, run_dir.METRICS_FILE)):
-            self._metrics().write(json.dumps(record) + "\n")
-            self._metrics().flush()
+            self._metrics(step).write(json.dumps(record) + "\n")
+            self._metrics(step).flush()
         with write_faults.guarded(f"logging step {step}", os.path.join(self.model_dir, "tensorboard", split)):
             with self._writer(split).as_default(step=step):
                 for name, value in values.items():
@@ -140,16 +153,39 @@ class Reporter:
             self._writers, self._metrics_file = {}, None
 
 
-def _drop_cut_line(path: str) -> None:
-    """Truncates `path` after its last newline: a record a fault cut short would run into the
-    next run's first one."""
+def _keep_records_up_to(path: str, last_step: int) -> None:
+    """Truncates `path` before its records past `last_step` (records are appended in step order:
+    a killed run's last ones, which the resumed run logs again) and a last line a fault cut short
+    (it would run into the next record). Read from the end: a long run's file is not read whole."""
     with contextlib.suppress(FileNotFoundError), open(path, "rb+") as file:
-        size = file.seek(0, os.SEEK_END)
-        if size == 0:
-            return
-        file.seek(max(0, size - 65536))
-        tail = file.read()
-        if tail.endswith(b"\n"):
-            return
-        cut = tail.rfind(b"\n")
-        file.truncate(size - len(tail) + cut + 1 if cut >= 0 else max(0, size - len(tail)))
+        size = keep = file.seek(0, os.SEEK_END)
+        for offset, line in _lines_from_end(file, size):
+            if line.endswith(b"\n") and _step(line) <= last_step:
+                break
+            keep = offset
+        if keep < size:
+            file.truncate(keep)
+
+
+def _lines_from_end(file, size: int):
+    """(offset, line) of the file's lines, the last first, read in blocks from its end."""
+    position, rest = size, b""
+    while position > 0:
+        start = max(0, position - 65536)
+        file.seek(start)
+        *ended, last = (file.read(position - start) + rest).split(b"\n")
+        lines = [line + b"\n" for line in ended] + ([last] if last else [])
+        rest = lines.pop(0) if start > 0 else b""  # may begin mid-line: completed by the next block
+        offset = start + len(rest) + sum(len(line) for line in lines)
+        for line in reversed(lines):
+            offset -= len(line)
+            yield offset, line
+        position = start
+    if rest:
+        yield 0, rest
+
+
+def _step(line: bytes) -> float:
+    """A metrics.jsonl record's step (a line that is no record counts as step 0: kept)."""
+    found = _STEP.search(line)
+    return float(found.group(1)) if found else 0

@@ -11,7 +11,8 @@ bad command leaves nothing behind; so is a resume whose flags differ from the ru
 in a way its checkpoint cannot take (`check_same_run`), and a directory another run is writing
 (the chief locks it for the run's life: `run_dir.lock`). Every file is renamed into place whole;
 a full disk, a read-only file system, a denied permission or a file-size limit ends the run with
-`WriteFailed` naming the file, the fix and the checkpoint the same command resumes from.
+`WriteFailed` naming the file, the fix and the checkpoint the same command resumes from, and a
+data file that fails to decode mid-run (damaged inside) with `CorruptInput` naming it.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import os
 
 import keras
 import numpy as np
+import tensorflow as tf
 from absl import logging
 
 from tfmp import optim, precision, pruning, run_dir, write_faults
 from tfmp.distribute import strategies as distribute
-from tfmp.errors import UsageError, WriteFailed
+from tfmp.errors import CorruptInput, UsageError, WriteFailed
+from tfmp.input import decoding
 from tfmp.pipeline import plan as pipeline
 from tfmp.training import checkpoint, run_card
 from tfmp.training.checkpoint import Checkpoints
@@ -50,7 +53,8 @@ def train_and_evaluate(
     stopping (SIGTERM, ^C, a failed write) name. Raises UsageError for input a user must fix
     (before anything is written) and for a model dir another run holds, TrainingDiverged when
     the loss becomes non-finite without a loss scaler to skip the step, Preempted after saving
-    a checkpoint on SIGTERM or SIGINT, and WriteFailed when a write into the run fails.
+    a checkpoint on SIGTERM or SIGINT (or on SIGTERM while model.keras is written), WriteFailed
+    when a write into the run fails, and CorruptInput when a data file fails to decode.
     """
     if not isinstance(task, Task):
         raise TypeError(f"{type(task).__name__} is not a tfmp Task (see tfmp.training.task)")
@@ -105,6 +109,12 @@ def _locked_run(config, task, plan, model_dir, shown_dir, resolved_flags, resume
     except WriteFailed as error:
         saved_step, location = checkpoints.saved_step, checkpoints.location
         raise write_faults.with_resume(error, saved_step, location, resume_command) from error.__cause__
+    except tf.errors.OpError as error:  # a data file damaged inside: named, not a traceback
+        failed = decoding.failing_file(getattr(plan.info, "files", ()), error)
+        if failed is None:
+            raise
+        rerun = write_faults.rerun(checkpoints.saved_step, checkpoints.location, resume_command)
+        raise CorruptInput(f"{decoding.stopped_by(config.data.dataset, *failed)}, then {rerun}") from None
     finally:
         checkpoints.close()
     distribute.barrier(plan.strategy)  # last: after it a worker only returns and exits
@@ -119,6 +129,7 @@ def _train(config, task, plan, built, checkpoints, start_step, resolved_flags, r
         model_dir if is_chief else None,
         verbose=config.verbose and is_chief,
         tags={"allreduce_dtype": engine.allreduce.dtype},
+        start_step=start_step,
     )
     try:
         if resolved_flags and is_chief:
@@ -160,9 +171,7 @@ def _train(config, task, plan, built, checkpoints, start_step, resolved_flags, r
         # A pruned model is saved stripped: a plain Keras model with its zeros, no masks.
         saved = pruning.strip(model) if pruner else model
         if is_chief:
-            path = os.path.join(model_dir, run_dir.MODEL_FILE)
-            with write_faults.guarded("saving the model", path), run_dir.atomic_path(path) as temporary:
-                saved.save(temporary)
+            checkpoints.save_model(saved, resume_command)
         summary = _summary(config, plan, saved, engine, result, model_dir, task, pruner)
     except BaseException:
         reporter.close(failing=True)
