@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import keras
 import pytest
 import tensorflow as tf
 from conftest import ROOT, finish, run_python, start_python
@@ -316,3 +317,33 @@ def test_a_signal_before_the_first_step_stops_at_once_and_after_it_asks_for_a_ch
     finally:
         notice.restore()
     assert signal.getsignal(signal.SIGINT) is previous
+
+
+def _dropout_model(seed: int):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dropout(0.5, seed=seed)(inputs)))
+
+
+def test_the_seed_generators_states_are_saved_and_a_checkpoint_without_them_still_restores(tmp_path):
+    """A Dropout's seed generator state is no part of the model's object graph: checkpoints hold
+    it beside, so a resume draws the masks the run would have; one written before they did
+    restores all the rest and says the seed generators start afresh."""
+    model = _dropout_model(1)
+    model(tf.ones((4, 3)), training=True)  # one draw: the state moves
+    saver = checkpoint.Checkpoints(str(tmp_path / "new"), True, 0, global_batch_size=8, model=model)
+    saver.save(2)
+    older = tf.train.Checkpoint(model=model, step=saver.step, global_batch_size=saver.batch)
+    tf.train.CheckpointManager(older, str(tmp_path / "old" / "checkpoints"), 3).save(checkpoint_number=2)
+    for run, said_anything in (("new", False), ("old", True)):
+        said, restored = [], _dropout_model(2)
+        checkpoints = checkpoint.Checkpoints(
+            str(tmp_path / run), True, 0, global_batch_size=8, say=said.append, model=restored
+        )
+        assert checkpoints.restore() == 2
+        for mine, saved in zip(restored.get_weights(), model.get_weights()):
+            assert (mine == saved).all()
+        [state] = [v for v in restored.variables if "seed_generator" in v.path]
+        [original] = [v for v in model.variables if "seed_generator" in v.path]
+        assert (state.numpy() == original.numpy()).all() != said_anything
+        assert bool(said) == said_anything and (not said or "start afresh" in said[0])

@@ -44,6 +44,7 @@ from tfmp.errors import Preempted, UsageError
 
 SUBDIR = run_dir.CHECKPOINT_DIR
 STATE_FILE = "checkpoint"  # tf.train.CheckpointManager's list of kept checkpoints
+RANDOM_STATE = "random_state"  # the seed generators' states (`_untracked_variables`)
 # What a damaged or mismatched checkpoint raises while being read (a truncated data file gives
 # IndexError "Read less bytes than requested" from the reader, not an OpError).
 _READ_ERRORS = (tf.errors.OpError, AssertionError, ValueError, IndexError, KeyError, EOFError)
@@ -82,10 +83,10 @@ class Checkpoints:
         self._damaged_state = False
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         self.batch = tf.Variable(global_batch_size, dtype=tf.int64, trainable=False, name="global_batch_size")
-        untracked = _untracked_variables(objects["model"]) if "model" in objects else []
-        if untracked:
-            objects["random_state"] = untracked
-        self.checkpoint = tf.train.Checkpoint(step=self.step, global_batch_size=self.batch, **objects)
+        self._objects = dict(objects, step=self.step, global_batch_size=self.batch)
+        self._random_state = _untracked_variables(objects["model"]) if "model" in objects else []
+        random_state = {RANDOM_STATE: self._random_state} if self._random_state else {}
+        self.checkpoint = tf.train.Checkpoint(**self._objects, **random_state)
         self._manager = None  # made at the first save: it reads (and then rewrites) the state file
 
     def _candidates(self) -> list[str]:
@@ -141,8 +142,13 @@ class Checkpoints:
 
     def _restore_from(self, path: str) -> str | None:
         """Restores `path`; None, or why it cannot be (its first line)."""
+        checkpoint = self.checkpoint
         try:
-            status = self.checkpoint.restore(path)
+            if self._random_state and not _holds(path, RANDOM_STATE):
+                # Written before checkpoints held the seed generators' states: all else is restored.
+                self.say(f"checkpoint {path} holds no random state: the seed generators start afresh")
+                checkpoint = tf.train.Checkpoint(**self._objects)
+            status = checkpoint.restore(path)
             status.expect_partial()  # mismatches raise below; no warnings when it is collected
             status.assert_existing_objects_matched()
             return None
@@ -198,6 +204,11 @@ class Checkpoints:
     def close(self) -> None:
         if not self.is_chief:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _holds(path: str, name: str) -> bool:
+    """Whether the checkpoint at `path` has an object `name` at its top."""
+    return any(key.split("/", 1)[0] == name for key, _ in tf.train.list_variables(path))
 
 
 def _untracked_variables(model) -> list:

@@ -267,6 +267,7 @@ def fit(
             checkpoints, reporter = _open_run_files(stack, model, engine, model_dir, keep_checkpoints, train)
             start_step = checkpoints.restore() if checkpoints else 0  # 0: nothing saved yet
             start_step = start_step or initial_epoch * steps_per_epoch
+            reporter.start_step = start_step  # metrics.jsonl keeps what precedes it, then logs on
             card = run_card.describe_fit(model, engine, topology, settings, start_step, note, model_dir)
             reporter.run_card(card)
             if show_run_card or (show_run_card is None and model_dir and verbose):
