@@ -40,8 +40,8 @@ Engine) and vit_tiny_p2 (vit_tiny on 2x2 patches: 257 tokens at 32x32). --bn_stu
 BatchNormalization alone, Keras' layer vs fused, forward + backward on a --bn_study_shape tensor
 in float32, mixed_bfloat16 and mixed_float16 (fused_vs_keras_bn); --bn_study_groups=G studies
 GroupNormalization(G) instead; --bn_study_layers=BatchNormalization,LayerNormalization,
-RMSNormalization,MultiHeadAttention adds the transformer layers on a --bn_study_sequence_shape
-(batch, tokens, width) input, attention with --bn_study_heads heads.
+RMSNormalization,MultiHeadAttention,GELU,DenseGELU adds the transformer layers on a
+--bn_study_sequence_shape (batch, tokens, width) input, attention with --bn_study_heads heads.
 
 --mode=memory --memory_budget_mb=N finds, per model and precision, the largest global batch
 whose training step's live peak fits N MiB (`tfmp.bench.memory`: a line fitted through
@@ -151,7 +151,7 @@ flags.DEFINE_list(
     "bn_study_layers",
     ["BatchNormalization"],
     "--bn_study: BatchNormalization (on --bn_study_shape), LayerNormalization, RMSNormalization, "
-    "MultiHeadAttention (on --bn_study_sequence_shape).",
+    "MultiHeadAttention, GELU, DenseGELU (on --bn_study_sequence_shape).",
 )
 flags.DEFINE_list(
     "bn_study_sequence_shape",

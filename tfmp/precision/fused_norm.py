@@ -98,7 +98,7 @@ import tensorflow as tf
 
 from tfmp import compat
 from tfmp.errors import UsageError
-from tfmp.precision import attention, conv, group_norm, layer_norm
+from tfmp.precision import activation, attention, conv, group_norm, layer_norm
 
 FUSED_DTYPES = ("float16", "bfloat16", "float32")
 # MIOpen (ROCm) refuses epsilon below 1e-5, and a float32 1e-5 is just below that.
@@ -182,6 +182,8 @@ def _replaced(layer) -> str:
 def _fused_call_of(layer):
     if isinstance(layer, conv.CLASSES):
         return conv.fused_call
+    if isinstance(layer, (keras.layers.Dense, keras.layers.Activation)):
+        return activation.fused_call_of(layer)
     if isinstance(layer, keras.layers.GroupNormalization):
         return group_norm.fused_call
     if isinstance(layer, (keras.layers.LayerNormalization, keras.layers.RMSNormalization)):
@@ -198,6 +200,10 @@ def unfusable_reason(layer) -> str | None:
         if not conv.listed(layer):
             return f"compute dtype {layer.compute_dtype}: only float16 convolutions are changed"
         return _already_replaced(layer) or conv.unfusable_reason(layer)
+    if isinstance(layer, (keras.layers.Dense, keras.layers.Activation)):
+        if not activation.listed(layer):
+            return "no GELU (nor float16 with a bias and an activation on a CPU): nothing to fuse"
+        return _already_replaced(layer) or activation.unfusable_reason(layer)
     if not isinstance(layer, FUSABLE):
         return f"{type(layer).__module__}.{type(layer).__qualname__}: not a layer tfmp fuses (its own computation)"
     if _already_replaced(layer):
@@ -250,8 +256,9 @@ def _norms(layer, path=None, seen=None):
 
 
 def _computed_here(layer) -> bool:
-    """Whether `layer` is one tfmp has a kernel for: FUSABLE's classes, float16 convolutions."""
-    return isinstance(layer, FUSABLE) or conv.listed(layer)
+    """Whether `layer` is one tfmp has a kernel for: FUSABLE's classes, float16 convolutions,
+    GELU layers (and float16 Dense layers with a bias and an activation on a CPU)."""
+    return isinstance(layer, FUSABLE) or conv.listed(layer) or activation.listed(layer)
 
 
 def _listed(layer) -> bool:
