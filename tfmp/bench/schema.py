@@ -16,7 +16,9 @@ from __future__ import annotations
 
 # 2: peak_memory_mb is the allocator peak on CPUs too; host_memory_vs_float32.
 # 3: fused_norm (cells, ratio labels), variables_mb, fused_vs_keras_norm, bn_study, --mode=memory.
-SCHEMA_VERSION = 3
+# 4: interleaved rounds: round_group (engine and fit cells), examples_per_sec_repeats, and every
+#    throughput ratio's rounds (its value the median of them).
+SCHEMA_VERSION = 4
 
 REPORT = {
     "schema_version": "integer",
@@ -56,6 +58,7 @@ ENGINE_CELL = {
     "mode": "string",
     "steps_per_execution": "integer",
     "repeats": "integer",
+    "round_group": "integer?",  # the interleaved rounds it was timed in (tfmp.bench.rounds); null: alone
 }
 ENGINE_RESULT = {
     "policy": "string",
@@ -64,6 +67,7 @@ ENGINE_RESULT = {
     "replicas": "integer",
     "workers": "integer",
     "examples_per_sec": "number",
+    "examples_per_sec_repeats": "list",  # each repeat's, in round order when timed in rounds
     "examples_per_sec_min": "number",
     "examples_per_sec_max": "number",
     "examples_per_sec_per_replica": "number",
@@ -108,10 +112,13 @@ _DEVICE_LABEL = {
     "value": "number",
 }
 _REFERENCE_LABEL = {"model": "string", "precision": "string", "xla": "boolean", "value": "number"}
+# A throughput ratio's per-round ratios (its value is their median); [] when not timed in rounds.
+_ROUNDS = {"rounds": "list"}
 RATIOS = {
-    "speedup_vs_float32": _DEVICE_LABEL,
+    "speedup_vs_float32": dict(_DEVICE_LABEL, **_ROUNDS),
     "scaling_efficiency": dict(
         _DEVICE_LABEL,
+        **_ROUNDS,
         allreduce_dtype="string",
         allreduce_buckets="integer",
         gradient_bytes_per_step="integer",
@@ -121,8 +128,8 @@ RATIOS = {
     "flops_fraction_of_peak": _DEVICE_LABEL,
     "peak_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
     "host_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
-    "engine_vs_keras_fit": _REFERENCE_LABEL,
-    "input_vs_synthetic": dict(_REFERENCE_LABEL, paired="boolean"),
+    "engine_vs_keras_fit": dict(_REFERENCE_LABEL, **_ROUNDS),
+    "input_vs_synthetic": dict(_REFERENCE_LABEL, paired="boolean", **_ROUNDS),
     "fused_vs_keras_norm": {
         "model": "string",
         "precision": "string",
@@ -132,6 +139,7 @@ RATIOS = {
         "workers": "integer",
         "global_batch_size": "integer",
         "value": "number",
+        "rounds": "list",
         "peak_memory": "number",
         "peak_memory_mb": "number",
         "keras_peak_memory_mb": "number",
