@@ -337,7 +337,22 @@ def measure(cell: dict) -> dict:
         return layer_profile.measure(
             cell, workloads.setup_for(cell["model"]), _time_engine, _executions_per_repeat
         )
+    if cell["kind"] == "onednn_study":
+        return _onednn_steps(cell)
     return _measure_training(cell)
+
+
+def _onednn_steps(cell: dict) -> dict:
+    """An `onednn_study` cell's training steps (`tfmp.bench.onednn`): warm-up, then `steps`
+    single steps timed, and their wall-clock window for the parent to read oneDNN's lines in."""
+    strategy = distribute.get_strategy("default")
+    policy = precision.resolve(cell["precision"]).policy
+    model, optimizer, dataset_fn, _ = workloads.setup_for(cell["model"])(cell, strategy, policy)
+    executions = _engine_executions(cell, strategy, Engine(strategy, model, optimizer), dataset_fn)
+    executions(cell["warmup_executions"])
+    began = time.time()
+    seconds = executions(cell["steps"])
+    return {"policy": policy, "step_seconds": seconds, "window_ms": [1000 * began, 1000 * time.time()]}
 
 
 def _measure_training(cell: dict) -> dict:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from tfmp.bench import memory_report
+from tfmp.bench import memory_report, onednn
 from tfmp.bench import threads as bench_threads
 from tfmp.bench.rounds import paired_ratio, spread
 
@@ -307,6 +307,7 @@ def table(cells: list[dict], ratios: dict) -> str:
             "compute parallelism (baseline / variant, same run):",
             bench_threads.table(ratios["threads"]),
         ]
+    lines += onednn.lines(cells)
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ import sys
 import time
 
 from tfmp import run_dir
-from tfmp.bench import matrix, memory, rounds, schema
+from tfmp.bench import matrix, memory, onednn, rounds, schema
 from tfmp.bench import report as bench_report
 
 MEMORY_NOTE = (
@@ -74,15 +74,20 @@ def _environment() -> dict:
 
 
 def measure(cell: dict, timeout: float) -> dict:
-    """Runs one cell in a fresh process; returns its result (worker 0's for a group)."""
+    """Runs one cell in a fresh process; returns its result (worker 0's for a group). An
+    `onednn_study` cell runs with oneDNN's verbose lines on and gets its breakdown from them."""
+    study = cell["kind"] == "onednn_study"
     completed = subprocess.run(
         _command(cell),
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=_environment(),
+        env=dict(_environment(), **(onednn.ENVIRONMENT if study else {})),
     )
     result = parse_result(completed.stdout)
+    if study and result is not None:
+        steps = onednn.breakdown(completed.stdout, cell["steps"], result["step_seconds"], result["window_ms"])
+        result = {"policy": result["policy"], **steps}
     if result is None:
         tail = (completed.stderr or completed.stdout).strip().splitlines()[-5:]
         raise RuntimeError(
@@ -127,6 +132,15 @@ def _headline(result: dict) -> str:
         return (
             f"Keras {result['keras_ms']:.2f} ms, fused {result['fused_ms']:.2f} ms ({result['value']:.2f}x)"
         )
+    if "onednn_ms" in result:  # the oneDNN study
+        if not result["onednn"]:
+            return result["note"]
+        flagged = (
+            f", reference kernels: {', '.join(result['reference_kernels'])}"
+            if result["reference_kernels"]
+            else ""
+        )
+        return f"step {result['step_ms']:.1f} ms, oneDNN {result['onednn_ms']:.1f} ms{flagged}"
     if "choices" in result:  # the precision probe
         speeds = ", ".join(f"{dtype} {speed:.2f}x" for dtype, speed in result["speedups"].items())
         return f"{speeds} float32's speed"

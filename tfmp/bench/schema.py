@@ -17,7 +17,7 @@ from __future__ import annotations
 # 2: peak_memory_mb is the allocator peak on CPUs too; host_memory_vs_float32.
 # 3: fused_norm (cells, ratio labels), variables_mb, fused_vs_keras_norm, bn_study, --mode=memory.
 # 4: interleaved rounds: round_group (engine and fit cells), examples_per_sec_repeats, and every
-#    throughput ratio's rounds (its value the median of them).
+#    throughput ratio's rounds (its value the median of them); onednn_study cells.
 SCHEMA_VERSION = 4
 
 REPORT = {
@@ -220,6 +220,27 @@ BN_STUDY_RESULT = {
     "fused_kept_mb": "number",
     "peak_memory_source": "string",
 }
+# The oneDNN study (kind "onednn_study", tfmp.bench.onednn): one step's time by oneDNN primitive.
+ONEDNN_RESULT = {
+    "policy": "string",
+    "onednn": "boolean",  # false: oneDNN off or absent (no verbose line), and `note` says so
+    "note": "string",
+    "steps": "integer",
+    "step_ms": "number",
+    "onednn_ms": "number",
+    "outside_onednn_ms": "number",
+    "primitives": "list",
+    "reference_kernels": "list",
+}
+ONEDNN_PRIMITIVE = {
+    "kind": "string",
+    "propagation": "string",
+    "implementation": "string",
+    "calls_per_step": "number",
+    "ms_per_step": "number",
+    "share": "number",
+    "reference_kernel": "boolean",
+}
 # --mode=memory: the largest batch under a live-peak budget (tfmp.bench.memory).
 MEMORY_REPORT = {
     "schema_version": "integer",
@@ -341,4 +362,8 @@ def check(report: dict) -> None:
             _fields(f"{where}.result", cell["result"], PRECISION_PROBE_RESULT, exact=True)
         elif cell["kind"] == "bn_study":
             _fields(f"{where}.result", cell["result"], BN_STUDY_RESULT, exact=True)
+        elif cell["kind"] == "onednn_study":
+            _fields(f"{where}.result", cell["result"], ONEDNN_RESULT, exact=True)
+            for row in cell["result"]["primitives"]:
+                _fields(f"{where}.result.primitives[]", row, ONEDNN_PRIMITIVE, exact=True)
     _ratio_rows(report["ratios"], RATIOS)
