@@ -60,6 +60,13 @@ copies (TensorFlow's float16 filter gradient runs on oneDNN's reference kernel t
 slower); on a GPU Keras' own op runs. Left alone there: subclasses that override `call` or
 `convolution_op`, layers not built.
 
+`Dense(activation="gelu")` (also keras-hub's `gelu_approximate`) and `Activation("gelu")` go to
+`tfmp.precision.activation` in every precision: the bias-add and GELU in one float32 kernel with a
+gradient that keeps only the input (Keras' `tf.nn.gelu` keeps three more tensors of its size). In
+float16 on a CPU every Dense with a bias and an activation goes there too (Grappler would fold its
+MatMul, bias and activation into a `_FusedMatMul` that oneDNN runs on its float16 reference
+kernel). Left alone there: subclasses that override `call`, float64, quantized Dense layers.
+
 keras-hub (0.32): `ViTBackbone` and `BertBackbone` build Keras' own `LayerNormalization` and
 `MultiHeadAttention` inside their blocks (`ViTEncoderBlock`, `TransformerEncoder`): fused, found
 through the blocks' attributes. keras-hub's own normalization layers are plain `keras.layers.Layer`
