@@ -40,8 +40,12 @@ Engine) and vit_tiny_p2 (vit_tiny on 2x2 patches: 257 tokens at 32x32). --bn_stu
 BatchNormalization alone, Keras' layer vs fused, forward + backward on a --bn_study_shape tensor
 in float32, mixed_bfloat16 and mixed_float16 (fused_vs_keras_bn); --bn_study_groups=G studies
 GroupNormalization(G) instead; --bn_study_layers=BatchNormalization,LayerNormalization,
-RMSNormalization,MultiHeadAttention adds the transformer layers on a --bn_study_sequence_shape
-(batch, tokens, width) input, attention with --bn_study_heads heads.
+RMSNormalization,MultiHeadAttention,GELU,DenseGELU adds the transformer layers on a
+--bn_study_sequence_shape (batch, tokens, width) input, attention with --bn_study_heads heads.
+
+--onednn_study adds, per model and precision, one training step broken down by oneDNN
+primitive (ONEDNN_VERBOSE=1: ms per kind and implementation, oneDNN's reference kernels flagged,
+the time outside oneDNN; `tfmp.bench.onednn`); where oneDNN's ops are off it says so in one line.
 
 --mode=memory --memory_budget_mb=N finds, per model and precision, the largest global batch
 whose training step's live peak fits N MiB (`tfmp.bench.memory`: a line fitted through
@@ -137,6 +141,13 @@ flags.DEFINE_list(
     ["true"],
     "Normalization and attention layers fused, as the apps train them: true, false (Keras'), or both.",
 )
+flags.DEFINE_bool(
+    "onednn_study",
+    False,
+    "Also break one training step per model and precision down by oneDNN primitive (ONEDNN_VERBOSE=1), "
+    "flagging oneDNN's reference kernels.",
+)
+flags.DEFINE_integer("onednn_study_steps", 3, "--onednn_study: the timed steps it reads.")
 flags.DEFINE_bool("bn_study", False, "Also time one BatchNormalization alone, Keras' layer vs fused.")
 flags.DEFINE_list(
     "bn_study_shape", ["64", "48", "48", "64"], "--bn_study: the input (batch, height, width, C)."
@@ -151,7 +162,7 @@ flags.DEFINE_list(
     "bn_study_layers",
     ["BatchNormalization"],
     "--bn_study: BatchNormalization (on --bn_study_shape), LayerNormalization, RMSNormalization, "
-    "MultiHeadAttention (on --bn_study_sequence_shape).",
+    "MultiHeadAttention, GELU, DenseGELU (on --bn_study_sequence_shape).",
 )
 flags.DEFINE_list(
     "bn_study_sequence_shape",
@@ -267,6 +278,8 @@ def _config() -> bench.BenchConfig:
         layer_profile=FLAGS.layer_profile,
         layer_profile_repeats=FLAGS.layer_profile_repeats,
         fused_norm=_booleans("fused_norm"),
+        onednn_study=FLAGS.onednn_study,
+        onednn_study_steps=FLAGS.onednn_study_steps,
         bn_study=FLAGS.bn_study,
         bn_study_shape=_integers("bn_study_shape"),
         bn_study_rounds=FLAGS.bn_study_rounds,

@@ -110,7 +110,8 @@ def test_conv_model_trains_like_keras(policy, xla):
     fused, reference = tiny_gn_model(policy), tiny_gn_model(policy)
     start = [w.numpy() for w in fused.weights]
     reference.set_weights(start)
-    assert fuse_normalization(fused).fused == ("tiny/gn0", "tiny/gn1")
+    fused_layers = {path for path in fuse_normalization(fused).fused if "/conv" not in path}
+    assert fused_layers == {"tiny/gn0", "tiny/gn1"}  # and float16's convolutions (tfmp.precision.conv)
     losses, reference_losses = _train(fused, xla), _train(reference, xla)
     compute = keras.mixed_precision.Policy(policy).compute_dtype
     terms = BATCH * IMAGE[0] * IMAGE[1] * 2  # a group statistic's or a weight gradient's terms, at most

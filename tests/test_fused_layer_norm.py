@@ -155,8 +155,8 @@ def test_unfusable_layer_norms_are_listed_with_their_reasons():
 
 def test_keras_hub_normalization_subclasses_are_named():
     """keras-hub's BertBackbone (when keras_hub is installed): its 3 LayerNormalization (Keras'
-    own) fused, its attention (dropout 0.1) left alone with the reason, none silently skipped
-    (tests/test_keras_hub.py checks keras-hub's models in full)."""
+    own) and its Dense(gelu_approximate) fused, its attention (dropout 0.1) left alone with the
+    reason, none silently skipped (tests/test_keras_hub.py checks keras-hub's models in full)."""
     keras_hub = pytest.importorskip("keras_hub")
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=20,
@@ -167,7 +167,8 @@ def test_keras_hub_normalization_subclasses_are_named():
         max_sequence_length=8,
     )
     state = fuse_normalization(backbone)
-    assert len(state.fused) == 3 and len(state.left_alone) == 1, state  # 3 LayerNormalization, 1 attention
+    # 3 LayerNormalization and the GELU Dense fused (tfmp.precision.activation), 1 attention left alone
+    assert len(state.fused) == 4 and len(state.left_alone) == 1, state
     assert all(reason for _, reason in state.left_alone) and status(backbone) == state
 
 
@@ -191,7 +192,7 @@ def tiny_encoder(policy="float32", seed=1, causal=False) -> keras.Model:
     return keras.Model(tokens, keras.layers.Dense(CLASSES, dtype="float32", name="head")(x), name="encoder")
 
 
-FUSED = ("encoder/ln0", "encoder/mha", "encoder/rms", "encoder/ln1")
+FUSED = ("encoder/ln0", "encoder/mha", "encoder/rms", "encoder/mlp0", "encoder/ln1")  # mlp0: its GELU
 
 
 def tiny_tokens(examples=BATCH * STEPS, seed=2):

@@ -135,8 +135,9 @@ def _blocks(prefix, names, count, start=0):
 
 
 def test_every_normalization_and_attention_layer_is_listed():
-    """ViT: 5 LayerNormalization and 2 MultiHeadAttention fused (none silently skipped, the
-    original bug). BERT as built (dropout 0.1): its 5 LayerNormalization fused, its attention
+    """ViT: 5 LayerNormalization, 2 MultiHeadAttention and the MLPs' 2 GELU Dense layers fused
+    (none silently skipped, the original bug). BERT as built (dropout 0.1): its 5
+    LayerNormalization and 2 Dense(gelu_approximate) fused, its attention
     left alone on Keras' explicit path, which keeps half-precision probabilities already; with
     dropout 0 fused too. A TransformerDecoder's CachedMultiHeadAttention (its call goes through
     _compute_attention) is fused; keras-hub's own RMSNormalization and XLNet's attention, whose
@@ -144,14 +145,14 @@ def test_every_normalization_and_attention_layer_is_listed():
     vit = fuse_normalization(vit_classifier())
     encoder = "classifier/vit/vit_encoder"
     assert vit.fused == (
-        *_blocks(f"{encoder}/transformer_block", ("ln_1", "mha", "ln_2"), 2, 1),
+        *_blocks(f"{encoder}/transformer_block", ("ln_1", "mha", "ln_2", "mlp/dense_1"), 2, 1),
         f"{encoder}/ln",
     )
     assert vit.left_alone == ()
 
     bert = fuse_normalization(bert_classifier(dropout=0.1))
     layers = "classifier/bert/transformer_layer"
-    norms = ("self_attention_layer_norm", "feedforward_layer_norm")
+    norms = ("self_attention_layer_norm", "feedforward_layer_norm", "feedforward_intermediate_dense")
     assert bert.fused == ("classifier/bert/embeddings_layer_norm", *_blocks(layers, norms, 2))
     assert bert.left_alone == tuple(
         (path, f"dropout 0.1: {EXPLICIT}") for path in _blocks(layers, ["self_attention_layer"], 2)

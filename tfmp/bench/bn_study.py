@@ -6,6 +6,7 @@
     bn_study.measure("mixed_bfloat16", shape=[8, 64, 64, 64], rounds=20, groups=32)  # GroupNorm
     bn_study.measure("mixed_bfloat16", shape=[64, 65, 192], rounds=20, layer="LayerNormalization")
     bn_study.measure("mixed_bfloat16", shape=[64, 65, 192], rounds=20, layer="MultiHeadAttention", heads=3)
+    bn_study.measure("mixed_bfloat16", shape=[64, 65, 768], rounds=20, layer="GELU")   # or "DenseGELU"
 
 Runs in a cell process of its own, one per policy and layer (`python -m apps.bench --bn_study`
 plans `{"kind": "bn_study", "precision": ..., "shape": [...], "rounds": N}` for float32,
@@ -20,8 +21,9 @@ gradients with respect to the input and every weight (a fixed random upstream gr
 backward pass is a real one), on the same input in the policy's compute dtype: what the layer
 before hands the normalization inside a mixed-precision model. BatchNormalization and
 GroupNormalization take a 4-D (batch, height, width, channels) input; LayerNormalization,
-RMSNormalization (over the last axis) and MultiHeadAttention (self-attention, `heads` heads of
-width / heads, no mask) a 3-D (batch, tokens, width) one.
+RMSNormalization (over the last axis), MultiHeadAttention (self-attention, `heads` heads of
+width / heads, no mask), GELU (`Activation("gelu")`) and DenseGELU (`Dense(width,
+activation="gelu")`, `tfmp.precision.activation`) a 3-D (batch, tokens, width) one.
 
 The two are timed in turn, in one process: each round times `calls` calls of one function,
 then of the other (the order alternates from round to round), so what the shared machine does
@@ -46,7 +48,7 @@ import keras
 import tensorflow as tf
 
 from tfmp import precision
-from tfmp.bench.studies import ATTENTION, BATCH_NORMALIZATION, study_layer_name
+from tfmp.bench.studies import ATTENTION, BATCH_NORMALIZATION, DENSE_GELU, GELU, study_layer_name
 
 MIN_TIMING_SECONDS = 0.2  # one timed batch of calls: well above timer and dispatch noise
 WARMUP_CALLS = 2  # the first call traces
@@ -56,6 +58,10 @@ SEQUENCE_EPSILON = 1e-6  # ViT's and DeiT's (tfmp.models.vit), as the ViT study 
 def _make_layer(layer: str, policy: str, shape: list[int], groups: int, heads: int):
     if layer == ATTENTION:
         return keras.layers.MultiHeadAttention(heads, key_dim=shape[-1] // heads, dtype=policy)
+    if layer == GELU:
+        return keras.layers.Activation("gelu", dtype=policy)
+    if layer == DENSE_GELU:  # width -> width: the output is the input's shape, as the upstream
+        return keras.layers.Dense(shape[-1], activation="gelu", dtype=policy)
     if layer in ("LayerNormalization", "RMSNormalization"):
         return getattr(keras.layers, layer)(epsilon=SEQUENCE_EPSILON, dtype=policy)
     if groups:

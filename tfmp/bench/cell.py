@@ -54,6 +54,7 @@ from tfmp.bench import (
     layer_profile,
     pipeline_2d,
     python_threads,
+    rounds,
     studies,
     workloads,
 )
@@ -240,13 +241,21 @@ def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
     count = _executions_per_repeat(cell, (time.perf_counter() - started) / cell["warmup_executions"])
     _start_live_peak()
     epoch_times = []
+    in_rounds = bool(cell.get("rounds_dir"))
+    if in_rounds:
+        rounds.ready(cell)
 
     class EpochTimer(keras.callbacks.Callback):
+        # In interleaved rounds each epoch is one round: it waits for its turn untimed.
         def on_epoch_begin(self, epoch, logs=None):
+            if in_rounds:
+                rounds.wait(cell, epoch)
             self.started = time.perf_counter()
 
         def on_epoch_end(self, epoch, logs=None):
             epoch_times.append(time.perf_counter() - self.started)
+            if in_rounds:
+                rounds.done(cell, epoch)
 
     model.fit(
         dataset,
@@ -267,13 +276,22 @@ def _executions_per_repeat(cell: dict, seconds_per_execution: float) -> int:
 
 def _timer(cell):
     """Runs `executions(n)` untimed first (warm-up: tracing, compiling, filling buffers), sizes
-    the repeats from it, then times `repeats` repeats; returns their per-execution seconds."""
+    the repeats from it, then times `repeats` repeats; returns their per-execution seconds. In
+    interleaved rounds (`rounds_dir`, `tfmp.bench.rounds`) each repeat waits for its turn."""
 
     def run(executions):
         warmup = executions(cell["warmup_executions"])
         _start_live_peak()
         count = _executions_per_repeat(cell, warmup[-1])
-        return [executions(count) for _ in range(cell["repeats"])]
+        if not cell.get("rounds_dir"):
+            return [executions(count) for _ in range(cell["repeats"])]
+        rounds.ready(cell)
+        timed = []
+        for index in range(cell["repeats"]):
+            rounds.wait(cell, index)
+            timed.append(executions(count))
+            rounds.done(cell, index)
+        return timed
 
     return run
 
@@ -319,7 +337,22 @@ def measure(cell: dict) -> dict:
         return layer_profile.measure(
             cell, workloads.setup_for(cell["model"]), _time_engine, _executions_per_repeat
         )
+    if cell["kind"] == "onednn_study":
+        return _onednn_steps(cell)
     return _measure_training(cell)
+
+
+def _onednn_steps(cell: dict) -> dict:
+    """An `onednn_study` cell's training steps (`tfmp.bench.onednn`): warm-up, then `steps`
+    single steps timed, and their wall-clock window for the parent to read oneDNN's lines in."""
+    strategy = distribute.get_strategy("default")
+    policy = precision.resolve(cell["precision"]).policy
+    model, optimizer, dataset_fn, _ = workloads.setup_for(cell["model"])(cell, strategy, policy)
+    executions = _engine_executions(cell, strategy, Engine(strategy, model, optimizer), dataset_fn)
+    executions(cell["warmup_executions"])
+    began = time.time()
+    seconds = executions(cell["steps"])
+    return {"policy": policy, "step_seconds": seconds, "window_ms": [1000 * began, 1000 * time.time()]}
 
 
 def _measure_training(cell: dict) -> dict:
@@ -386,6 +419,7 @@ def _speed(cell: dict, model, repeats: list[list[float]]) -> dict:
     median_step = statistics.median(step_times)
     return {
         "examples_per_sec": statistics.median(throughputs),
+        "examples_per_sec_repeats": throughputs,  # in round order when timed in rounds
         "examples_per_sec_min": min(throughputs),
         "examples_per_sec_max": max(throughputs),
         "step_time_median": median_step,

@@ -35,7 +35,7 @@ import itertools
 import math
 
 from tfmp import run_dir
-from tfmp.bench import studies
+from tfmp.bench import onednn, studies
 from tfmp.errors import UsageError, unknown
 
 RESULT_PREFIX = "BENCH_RESULT "  # a cell process prints its result as one line: PREFIX + JSON
@@ -102,6 +102,8 @@ class BenchConfig:
     bn_study_layers: list[str] = dataclasses.field(default_factory=lambda: ["BatchNormalization"])
     bn_study_sequence_shape: list[int] = dataclasses.field(default_factory=lambda: [64, 65, 192])
     bn_study_heads: int = 3  # MultiHeadAttention's heads (vit_tiny's), width / heads each
+    onednn_study: bool = False  # one oneDNN per-primitive breakdown per model and precision
+    onednn_study_steps: int = 3  # the steps it reads oneDNN's verbose lines of
     memory_budget_mb: float = 0  # mode="memory": the live-peak budget (MiB) a batch must fit
     memory_probe_batches: list[int] = dataclasses.field(default_factory=lambda: [16, 32])  # the fit's
     memory_batch_step: int = 1  # the batches tried are multiples of this
@@ -180,6 +182,7 @@ def check(config: BenchConfig) -> None:
         "threads_rounds",
         "layer_profile_repeats",
         "bn_study_rounds",
+        "onednn_study_steps",
     ):
         if getattr(config, flag) < 1:
             raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")
@@ -300,7 +303,7 @@ def cells(config: BenchConfig, environment: Environment) -> list[dict]:
     for model in config.models:
         for group in setting_groups(config, environment, model):
             result += _group_cells(config, environment, dict(shared_settings(config), **group))
-    return result + input_cost_cells(config, environment) + studies.cells(config)
+    return result + input_cost_cells(config, environment) + studies.cells(config) + onednn.cells(config)
 
 
 def _group_cells(config: BenchConfig, environment: Environment, common: dict) -> list[dict]:
@@ -363,6 +366,8 @@ def describe_cell(cell: dict) -> str:
         return studies.describe(cell)
     if cell["kind"] == "precision_probe":
         return "precision probe: matmul and convolution, float32 / bfloat16 / float16"
+    if cell["kind"] == "onednn_study":
+        return onednn.describe(cell)
     if cell["kind"] == "peak":
         return f"matmul peak {cell['precision']} (sizes {'/'.join(map(str, cell['sizes']))})"
     if cell["kind"] == "input_cost":

@@ -18,6 +18,8 @@ median of rounds timed in turn) and live peak. Below 1: the fused kernel is fast
 
 from __future__ import annotations
 
+from tfmp.bench.rounds import paired_ratio, spread
+
 
 def mixed_vs_float32(result: dict, float32: dict) -> dict:
     """Mixed / float32 peak memory: of live tensors (`peak_memory_mb`, the allocator's), and on
@@ -52,10 +54,12 @@ def fused_vs_keras_norm(main: dict, key) -> list[dict]:
         if keras is None:
             continue
         fused_result, keras_result = cell["result"], keras["result"]
+        value, per_round = paired_ratio(cell, keras)
         row = {
             **device_label(cell),
             "global_batch_size": cell["global_batch_size"],
-            "value": fused_result["examples_per_sec"] / keras_result["examples_per_sec"],
+            "value": value,
+            "rounds": per_round,
             "peak_memory": fused_result["peak_memory_mb"] / keras_result["peak_memory_mb"],
             "peak_memory_mb": fused_result["peak_memory_mb"],
             "keras_peak_memory_mb": keras_result["peak_memory_mb"],
@@ -100,8 +104,9 @@ def lines(ratios: dict, devices) -> list[str]:
     for row in ratios["fused_vs_keras_norm"]:
         result.append(
             f"fused / Keras normalization: {row['model']} {row['precision']} batch {row['global_batch_size']} "
-            f"{devices(row)} xla={'on' if row['xla'] else 'off'}: examples/s {row['value']:.2f}x, live peak "
-            f"{row['peak_memory_mb']:,.0f} / {row['keras_peak_memory_mb']:,.0f} MiB = {row['peak_memory']:.2f}x"
+            f"{devices(row)} xla={'on' if row['xla'] else 'off'}: examples/s {row['value']:.2f}x{spread(row)}, "
+            f"live peak {row['peak_memory_mb']:,.0f} / {row['keras_peak_memory_mb']:,.0f} MiB = "
+            f"{row['peak_memory']:.2f}x"
         )
     for row in ratios["fused_vs_keras_bn"]:
         memory = "" if row["peak_memory"] is None else f", live peak {row['peak_memory']:.2f}x"

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from tfmp.bench import memory_report
+from tfmp.bench import memory_report, onednn
 from tfmp.bench import threads as bench_threads
+from tfmp.bench.rounds import paired_ratio, spread
 
 
 def _key(cell: dict, **changes) -> tuple:
@@ -71,45 +72,51 @@ def derive(cells: list[dict]) -> dict:
             ratios["flops_fraction_of_peak"].append(dict(label, value=derived["flops_fraction_of_peak"]))
         float32 = main.get(_key(cell, precision="float32", tf32=True))
         if float32 and cell["precision"] != "float32":
-            derived["speedup_vs_float32"] = result["examples_per_sec"] / float32["result"]["examples_per_sec"]
-            ratios["speedup_vs_float32"].append(dict(label, value=derived["speedup_vs_float32"]))
+            derived["speedup_vs_float32"], per_round = paired_ratio(cell, float32)
+            ratios["speedup_vs_float32"].append(
+                dict(label, value=derived["speedup_vs_float32"], rounds=per_round)
+            )
             for name, value in memory_report.mixed_vs_float32(result, float32["result"]).items():
                 derived[name] = value
                 ratios[name].append(dict(label, global_batch_size=cell["global_batch_size"], value=value))
         count = cell["workers"] or cell["replicas"]
         one = dict(workers=1) if cell["workers"] else dict(replicas=1)
-        single = throughput(_key(cell, **one)) or throughput(
+        single = main.get(_key(cell, **one)) or main.get(
             _key(cell, **one, allreduce_dtype=None, allreduce_bucket_bytes=None)
         )
         if single and count > 1:
-            derived["scaling_efficiency"] = result["examples_per_sec"] / (count * single)
+            derived["scaling_efficiency"], per_round = paired_ratio(cell, single, count)
             ratios["scaling_efficiency"].append(
-                dict(label, **_summing(result), value=derived["scaling_efficiency"])
+                dict(label, **_summing(result), value=derived["scaling_efficiency"], rounds=per_round)
             )
         cell["derived"] = derived
     for cell in cells:
         if cell["kind"] == "fit" and throughput(_key(cell)):
+            value, per_round = paired_ratio(main[_key(cell)], cell)
             ratios["engine_vs_keras_fit"].append(
                 dict(
                     model=cell["model"],
                     precision=cell["precision"],
                     xla=cell["xla"],
-                    value=throughput(_key(cell)) / cell["result"]["examples_per_sec"],
+                    value=value,
+                    rounds=per_round,
                 )
             )
         if cell.get("reference") == "input":
             # A detector's reference cell timed the real pipeline too, in turn with the same
             # compiled step (`paired_input`): its ratio is free of the drift between processes.
             paired = cell["result"].get("paired_input")
-            real = throughput(_key(cell, data=_real_data(cells, cell)))
+            real = main.get(_key(cell, data=_real_data(cells, cell)))
             if paired or real:
+                value, per_round = (paired["value"], paired["ratios"]) if paired else paired_ratio(real, cell)
                 ratios["input_vs_synthetic"].append(
                     dict(
                         model=cell["model"],
                         precision=cell["precision"],
                         xla=cell["xla"],
-                        value=paired["value"] if paired else real / cell["result"]["examples_per_sec"],
+                        value=value,
                         paired=bool(paired),
+                        rounds=per_round,
                     )
                 )
     ratios["fused_vs_keras_norm"] = memory_report.fused_vs_keras_norm(main, _key)
@@ -259,14 +266,24 @@ def table(cells: list[dict], ratios: dict) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += peak_lines(cells)
     lines += memory_report.lines(ratios, _devices)
+    for row in ratios["speedup_vs_float32"]:
+        lines.append(
+            f"{row['precision']} / float32: {row['model']} {_devices(row)} xla={'on' if row['xla'] else 'off'}"
+            f"{' fused norm' if row['fused_norm'] else ''}: {row['value']:.3f}x{spread(row)}"
+        )
+    for row in ratios["scaling_efficiency"]:
+        lines.append(
+            f"scaling efficiency: {row['model']} {row['precision']} {_devices(row)}: {row['value']:.3f}{spread(row)}"
+        )
     for name, title in (
         ("engine_vs_keras_fit", "tfmp engine / Keras fit"),
         ("input_vs_synthetic", "real input / synthetic tensors"),
     ):
         for ratio in ratios[name]:
+            how = " (timed in turn, one process)" if ratio.get("paired") else spread(ratio)
             lines.append(
                 f"{title}: {ratio['model']} {ratio['precision']} xla={'on' if ratio['xla'] else 'off'}: "
-                f"{ratio['value']:.3f}{' (timed in turn, one process)' if ratio.get('paired') else ''}"
+                f"{ratio['value']:.3f}{how}"
             )
     for row in ratios.get("input_cost", []):
         lines.append(
@@ -290,6 +307,7 @@ def table(cells: list[dict], ratios: dict) -> str:
             "compute parallelism (baseline / variant, same run):",
             bench_threads.table(ratios["threads"]),
         ]
+    lines += onednn.lines(cells)
     return "\n".join(lines)
 
 

@@ -7,7 +7,9 @@
 Every cell runs as `python -m tfmp.bench.cell '<json>'` (multi-worker cells through
 `tfmp.launch`, one CPU core or GPU share per worker), warm-up excluded, `repeats` timed repeats
 reported as median and min-max spread; ratios come only from cells measured in the same run
-(`tfmp.bench.report`). Writes `bench.json`, `bench.png` and returns the report.
+(`tfmp.bench.report`), and the engine and fit cells of each model are timed in interleaved
+rounds, one repeat of each in turn (`tfmp.bench.rounds`), so every ratio between them is the
+median of per-round ratios. Writes `bench.json`, `bench.png` and returns the report.
 `run_layer_profile(config)` runs only the `layer_profile` cells (`matrix.layer_profile_cells`)
 and writes `layer_profile.json`: the date, config, hardware, versions, load averages and cells.
 `run_memory_search(config)` (`mode="memory"`) runs only `tfmp.bench.memory`'s searches, the
@@ -31,7 +33,7 @@ import sys
 import time
 
 from tfmp import run_dir
-from tfmp.bench import matrix, memory, schema
+from tfmp.bench import matrix, memory, onednn, rounds, schema
 from tfmp.bench import report as bench_report
 
 MEMORY_NOTE = (
@@ -67,16 +69,25 @@ def _command(cell: dict, startup_timeout: float = 120) -> list[str]:
 _ALLOCATOR_STATS = {"TF_CPU_ALLOCATOR_USE_BFC": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "true")}
 
 
+def _environment() -> dict:
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **_ALLOCATOR_STATS)
+
+
 def measure(cell: dict, timeout: float) -> dict:
-    """Runs one cell in a fresh process; returns its result (worker 0's for a group)."""
+    """Runs one cell in a fresh process; returns its result (worker 0's for a group). An
+    `onednn_study` cell runs with oneDNN's verbose lines on and gets its breakdown from them."""
+    study = cell["kind"] == "onednn_study"
     completed = subprocess.run(
         _command(cell),
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **_ALLOCATOR_STATS),
+        env=dict(_environment(), **(onednn.ENVIRONMENT if study else {})),
     )
     result = parse_result(completed.stdout)
+    if study and result is not None:
+        steps = onednn.breakdown(completed.stdout, cell["steps"], result["step_seconds"], result["window_ms"])
+        result = {"policy": result["policy"], **steps}
     if result is None:
         tail = (completed.stderr or completed.stdout).strip().splitlines()[-5:]
         raise RuntimeError(
@@ -121,6 +132,15 @@ def _headline(result: dict) -> str:
         return (
             f"Keras {result['keras_ms']:.2f} ms, fused {result['fused_ms']:.2f} ms ({result['value']:.2f}x)"
         )
+    if "onednn_ms" in result:  # the oneDNN study
+        if not result["onednn"]:
+            return result["note"]
+        flagged = (
+            f", reference kernels: {', '.join(result['reference_kernels'])}"
+            if result["reference_kernels"]
+            else ""
+        )
+        return f"step {result['step_ms']:.1f} ms, oneDNN {result['onednn_ms']:.1f} ms{flagged}"
     if "choices" in result:  # the precision probe
         speeds = ", ".join(f"{dtype} {speed:.2f}x" for dtype, speed in result["speedups"].items())
         return f"{speeds} float32's speed"
@@ -166,10 +186,32 @@ def hardware() -> dict:
     return info
 
 
-def _measure_all(planned: list[dict], timeout: float, progress) -> None:
-    """Measures each planned cell in turn, writing its result and the load average after it."""
+def _measure_all(planned: list[dict], timeout: float, progress, detectors=()) -> None:
+    """Measures each planned cell, writing its result and the load average after it: the
+    engine and fit cells of each model in interleaved rounds (`tfmp.bench.rounds`: each such
+    cell's "round_group" names its group, null for a cell timed alone), the rest in turn."""
     started = time.time()
+    groups = rounds.groups(planned, detectors)
+    grouped = {id(cell): number for number, group in enumerate(groups) for cell in group}
+    for cell in planned:
+        if cell["kind"] in ("engine", "fit"):
+            cell["round_group"] = grouped.get(id(cell))
+    measured = set()
     for index, cell in enumerate(planned, 1):
+        if id(cell) in measured:
+            continue
+        if id(cell) in grouped:
+            group = groups[grouped[id(cell)]]
+            progress(f"[{index}/{len(planned)}] {len(group)} {cell['model']} cells in interleaved rounds ...")
+            results = rounds.measure(
+                group, _command, _environment(), timeout, progress, parse_result, matrix.describe_cell
+            )
+            for member, result in zip(group, results):
+                member["result"], member["load_average"] = result, load_average()
+                measured.add(id(member))
+                progress(f"  {matrix.describe_cell(member)}: {_headline(result)}")
+            progress(f"  ({time.time() - started:.0f} s so far)")
+            continue
         progress(f"[{index}/{len(planned)}] {matrix.describe_cell(cell)} ...")
         cell["result"] = measure(cell, timeout)
         cell["load_average"] = load_average()  # the machine may be shared: how busy it was around this cell
@@ -203,7 +245,7 @@ def run(config: matrix.BenchConfig, progress=print) -> dict:
     planned = matrix.cells(config, found)
     os.makedirs(config.output_dir, exist_ok=True)
     started, load_before = time.time(), load_average()
-    _measure_all(planned, config.cell_timeout, progress)
+    _measure_all(planned, config.cell_timeout, progress, found.detectors)
     report = {
         **_report_header(config, found, started, load_before),
         "cells": planned,

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 # 2: peak_memory_mb is the allocator peak on CPUs too; host_memory_vs_float32.
 # 3: fused_norm (cells, ratio labels), variables_mb, fused_vs_keras_norm, bn_study, --mode=memory.
-SCHEMA_VERSION = 3
+# 4: interleaved rounds: round_group (engine and fit cells), examples_per_sec_repeats, and every
+#    throughput ratio's rounds (its value the median of them); onednn_study cells.
+SCHEMA_VERSION = 4
 
 REPORT = {
     "schema_version": "integer",
@@ -56,6 +58,7 @@ ENGINE_CELL = {
     "mode": "string",
     "steps_per_execution": "integer",
     "repeats": "integer",
+    "round_group": "integer?",  # the interleaved rounds it was timed in (tfmp.bench.rounds); null: alone
 }
 ENGINE_RESULT = {
     "policy": "string",
@@ -64,6 +67,7 @@ ENGINE_RESULT = {
     "replicas": "integer",
     "workers": "integer",
     "examples_per_sec": "number",
+    "examples_per_sec_repeats": "list",  # each repeat's, in round order when timed in rounds
     "examples_per_sec_min": "number",
     "examples_per_sec_max": "number",
     "examples_per_sec_per_replica": "number",
@@ -108,10 +112,13 @@ _DEVICE_LABEL = {
     "value": "number",
 }
 _REFERENCE_LABEL = {"model": "string", "precision": "string", "xla": "boolean", "value": "number"}
+# A throughput ratio's per-round ratios (its value is their median); [] when not timed in rounds.
+_ROUNDS = {"rounds": "list"}
 RATIOS = {
-    "speedup_vs_float32": _DEVICE_LABEL,
+    "speedup_vs_float32": dict(_DEVICE_LABEL, **_ROUNDS),
     "scaling_efficiency": dict(
         _DEVICE_LABEL,
+        **_ROUNDS,
         allreduce_dtype="string",
         allreduce_buckets="integer",
         gradient_bytes_per_step="integer",
@@ -121,8 +128,8 @@ RATIOS = {
     "flops_fraction_of_peak": _DEVICE_LABEL,
     "peak_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
     "host_memory_vs_float32": dict(_DEVICE_LABEL, global_batch_size="integer"),
-    "engine_vs_keras_fit": _REFERENCE_LABEL,
-    "input_vs_synthetic": dict(_REFERENCE_LABEL, paired="boolean"),
+    "engine_vs_keras_fit": dict(_REFERENCE_LABEL, **_ROUNDS),
+    "input_vs_synthetic": dict(_REFERENCE_LABEL, paired="boolean", **_ROUNDS),
     "fused_vs_keras_norm": {
         "model": "string",
         "precision": "string",
@@ -132,6 +139,7 @@ RATIOS = {
         "workers": "integer",
         "global_batch_size": "integer",
         "value": "number",
+        "rounds": "list",
         "peak_memory": "number",
         "peak_memory_mb": "number",
         "keras_peak_memory_mb": "number",
@@ -211,6 +219,27 @@ BN_STUDY_RESULT = {
     "keras_kept_mb": "number",  # what the forward leaves alive for the backward pass
     "fused_kept_mb": "number",
     "peak_memory_source": "string",
+}
+# The oneDNN study (kind "onednn_study", tfmp.bench.onednn): one step's time by oneDNN primitive.
+ONEDNN_RESULT = {
+    "policy": "string",
+    "onednn": "boolean",  # false: oneDNN off or absent (no verbose line), and `note` says so
+    "note": "string",
+    "steps": "integer",
+    "step_ms": "number",
+    "onednn_ms": "number",
+    "outside_onednn_ms": "number",
+    "primitives": "list",
+    "reference_kernels": "list",
+}
+ONEDNN_PRIMITIVE = {
+    "kind": "string",
+    "propagation": "string",
+    "implementation": "string",
+    "calls_per_step": "number",
+    "ms_per_step": "number",
+    "share": "number",
+    "reference_kernel": "boolean",
 }
 # --mode=memory: the largest batch under a live-peak budget (tfmp.bench.memory).
 MEMORY_REPORT = {
@@ -333,4 +362,8 @@ def check(report: dict) -> None:
             _fields(f"{where}.result", cell["result"], PRECISION_PROBE_RESULT, exact=True)
         elif cell["kind"] == "bn_study":
             _fields(f"{where}.result", cell["result"], BN_STUDY_RESULT, exact=True)
+        elif cell["kind"] == "onednn_study":
+            _fields(f"{where}.result", cell["result"], ONEDNN_RESULT, exact=True)
+            for row in cell["result"]["primitives"]:
+                _fields(f"{where}.result.primitives[]", row, ONEDNN_PRIMITIVE, exact=True)
     _ratio_rows(report["ratios"], RATIOS)

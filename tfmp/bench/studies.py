@@ -26,9 +26,11 @@ from tfmp.errors import UsageError
 
 BN_STUDY_PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 BATCH_NORMALIZATION, ATTENTION = "BatchNormalization", "MultiHeadAttention"
+# Activation("gelu") and Dense(width, activation="gelu") (tfmp.precision.activation).
+GELU, DENSE_GELU = "GELU", "DenseGELU"
 # What --bn_study_layers takes: the first on a 4-D (batch, height, width, channels) input, the
 # others on a 3-D (batch, tokens, width) one.
-BN_STUDY_LAYERS = (BATCH_NORMALIZATION, "LayerNormalization", "RMSNormalization", ATTENTION)
+BN_STUDY_LAYERS = (BATCH_NORMALIZATION, "LayerNormalization", "RMSNormalization", ATTENTION, GELU, DENSE_GELU)
 KINDS = ("pipeline", "pipeline_2d", "python_threads", "bn_study")
 
 
@@ -75,9 +77,12 @@ def _check_bn_study(config) -> None:
 
 def study_layer_name(layer: str, groups: int = 0, heads: int = 0) -> str:
     """A `bn_study` result's "layer": "BatchNormalization", "GroupNormalization(32)",
-    "LayerNormalization", "RMSNormalization" or "MultiHeadAttention(3 heads)"."""
+    "LayerNormalization", "RMSNormalization", "MultiHeadAttention(3 heads)", "GELU" or
+    "Dense(gelu)"."""
     if layer == BATCH_NORMALIZATION and groups:
         return f"GroupNormalization({groups})"
+    if layer == DENSE_GELU:
+        return "Dense(gelu)"
     return f"{ATTENTION}({heads} heads)" if layer == ATTENTION else layer
 
 

@@ -54,6 +54,19 @@ keeps half-precision probabilities), subclasses that override `_compute_attentio
 that overrides only `call`, with a `call` that does go through it, is fused (keras-hub's
 `CachedMultiHeadAttention`: `tfmp.precision.attention` says why that is exact).
 
+Keras' convolution layers that compute in float16 (and only those: others are neither changed
+nor listed) go to `tfmp.precision.conv`: on a CPU their gradients are computed from float32
+copies (TensorFlow's float16 filter gradient runs on oneDNN's reference kernel there, ~100-1000x
+slower); on a GPU Keras' own op runs. Left alone there: subclasses that override `call` or
+`convolution_op`, layers not built.
+
+`Dense(activation="gelu")` (also keras-hub's `gelu_approximate`) and `Activation("gelu")` go to
+`tfmp.precision.activation` in every precision: the bias-add and GELU in one float32 kernel with a
+gradient that keeps only the input (Keras' `tf.nn.gelu` keeps three more tensors of its size). In
+float16 on a CPU every Dense with a bias and an activation goes there too (Grappler would fold its
+MatMul, bias and activation into a `_FusedMatMul` that oneDNN runs on its float16 reference
+kernel). Left alone there: subclasses that override `call`, float64, quantized Dense layers.
+
 keras-hub (0.32): `ViTBackbone` and `BertBackbone` build Keras' own `LayerNormalization` and
 `MultiHeadAttention` inside their blocks (`ViTEncoderBlock`, `TransformerEncoder`): fused, found
 through the blocks' attributes. keras-hub's own normalization layers are plain `keras.layers.Layer`
@@ -92,7 +105,7 @@ import tensorflow as tf
 
 from tfmp import compat
 from tfmp.errors import UsageError
-from tfmp.precision import attention, group_norm, layer_norm
+from tfmp.precision import activation, attention, conv, group_norm, layer_norm
 
 FUSED_DTYPES = ("float16", "bfloat16", "float32")
 # MIOpen (ROCm) refuses epsilon below 1e-5, and a float32 1e-5 is just below that.
@@ -174,6 +187,10 @@ def _replaced(layer) -> str:
 
 
 def _fused_call_of(layer):
+    if isinstance(layer, conv.CLASSES):
+        return conv.fused_call
+    if isinstance(layer, (keras.layers.Dense, keras.layers.Activation)):
+        return activation.fused_call_of(layer)
     if isinstance(layer, keras.layers.GroupNormalization):
         return group_norm.fused_call
     if isinstance(layer, (keras.layers.LayerNormalization, keras.layers.RMSNormalization)):
@@ -186,10 +203,18 @@ def _fused_call_of(layer):
 def unfusable_reason(layer) -> str | None:
     """Why the fused kernel cannot stand in for this normalization or attention layer, or None
     if it can."""
+    if isinstance(layer, conv.CLASSES):
+        if not conv.listed(layer):
+            return f"compute dtype {layer.compute_dtype}: only float16 convolutions are changed"
+        return _already_replaced(layer) or conv.unfusable_reason(layer)
+    if isinstance(layer, (keras.layers.Dense, keras.layers.Activation)):
+        if not activation.listed(layer):
+            return "no GELU (nor float16 with a bias and an activation on a CPU): nothing to fuse"
+        return _already_replaced(layer) or activation.unfusable_reason(layer)
     if not isinstance(layer, FUSABLE):
         return f"{type(layer).__module__}.{type(layer).__qualname__}: not a layer tfmp fuses (its own computation)"
-    if _replaced(layer) in vars(layer) and not is_fused(layer):
-        return f"its {_replaced(layer)} was already replaced on the instance"
+    if _already_replaced(layer):
+        return _already_replaced(layer)
     if isinstance(layer, keras.layers.GroupNormalization):
         return group_norm.unfusable_reason(layer)
     if isinstance(layer, (keras.layers.LayerNormalization, keras.layers.RMSNormalization)):
@@ -215,6 +240,12 @@ def unfusable_reason(layer) -> str | None:
     return None
 
 
+def _already_replaced(layer) -> str | None:
+    if _replaced(layer) in vars(layer) and not is_fused(layer):
+        return f"its {_replaced(layer)} was already replaced on the instance"
+    return None
+
+
 def _norms(layer, path=None, seen=None):
     """(path, layer) for each distinct normalization or attention layer reachable from `layer`
     (FUSABLE's classes, and layers without sublayers named like one), in order."""
@@ -224,17 +255,23 @@ def _norms(layer, path=None, seen=None):
             continue
         seen.add(id(child))
         child_path = f"{path}/{child.name}"
-        if isinstance(child, FUSABLE) or (
+        if _computed_here(child) or (
             LISTED_BY_NAME.search(type(child).__name__) and not any(map(_listed, _sublayers(child)))
         ):
             yield child_path, child
         yield from _norms(child, child_path, seen)
 
 
+def _computed_here(layer) -> bool:
+    """Whether `layer` is one tfmp has a kernel for: FUSABLE's classes, float16 convolutions,
+    GELU layers (and float16 Dense layers with a bias and an activation on a CPU)."""
+    return isinstance(layer, FUSABLE) or conv.listed(layer) or activation.listed(layer)
+
+
 def _listed(layer) -> bool:
     """Whether `layer` or a layer inside it is one `_norms` lists (a block named "...Attention"
     that holds a MultiHeadAttention is not listed itself: its attention layer is)."""
-    if isinstance(layer, FUSABLE) or LISTED_BY_NAME.search(type(layer).__name__):
+    if _computed_here(layer) or LISTED_BY_NAME.search(type(layer).__name__):
         return True
     return any(map(_listed, _sublayers(layer)))
 
