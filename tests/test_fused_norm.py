@@ -385,7 +385,7 @@ def test_fit_tells_once_what_fusing_would_change(tmp_path, caplog):
         tfmp.fit(model, dataset, epochs=1, model_dir=str(tmp_path / "run"), verbose=0)
     hints = [record.getMessage() for record in caplog.records if "fuse_normalization" in record.getMessage()]
     assert len(hints) == 1 and hints[0].startswith(
-        "tfmp: 2 normalization or attention layer(s) run Keras' layer;"
+        "tfmp: 2 normalization, attention, GELU or float16 convolution layer(s) run Keras' layer;"
     )
     card = json.load(open(tmp_path / "run" / "run_card.json"))["normalization"]
     assert card.startswith("2 layer(s) on Keras' layer; tfmp.fuse_normalization(model) before fit")

@@ -119,7 +119,7 @@ def prepare(
     if unfused and id(model) not in _hinted:
         _hinted.add(id(model))
         logging.warning(
-            "tfmp: %d normalization or attention layer(s) run Keras' layer; %s",
+            "tfmp: %d normalization, attention, GELU or float16 convolution layer(s) run Keras' layer; %s",
             len(unfused),
             run_card.FUSE_HINT,
         )

@@ -23,8 +23,9 @@ from tfmp.training.config import TrainConfig
 
 FUSE_HINT = (
     "tfmp.fuse_normalization(model) before fit would compute them on fused kernels (TensorFlow's "
-    "FusedBatchNormV3, tfmp's for the others): half-precision activations stay half (Keras' layers keep "
-    "float32 copies for the backward pass), the same numbers within rounding, the same weights and .keras file"
+    "FusedBatchNormV3, tfmp's for the others; a float16 convolution's gradients through float32 on a CPU): "
+    "half-precision activations stay half (Keras' layers keep float32 copies for the backward pass), the "
+    "same numbers within rounding, the same weights and .keras file"
 )
 
 
