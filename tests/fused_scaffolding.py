@@ -47,9 +47,10 @@ def assert_close(actual, desired, dtype, terms: int, roundings: int = 2, scale=N
     np.testing.assert_allclose(np.asarray(actual, np.float64), desired, rtol=0, atol=tolerance, err_msg=what)
 
 
-def layer_pair(make_layer, shape, initial_value):
-    """(fused layer, Keras copy): two `make_layer()` built for `shape` holding the same random
-    weights, `initial_value(weight, rng)` each; the first fused (and only it)."""
+def fused_twin(make_layer, shape, initial_value) -> tuple:
+    """([fused layer, Keras copy], fuse_normalization's report): two `make_layer()` built for
+    `shape` holding the same random weights, `initial_value(weight, rng)` each; the first
+    passed to fuse_normalization in a one-layer model named "pair"."""
     rng = np.random.default_rng(0)
     layers = [make_layer() for _ in range(2)]
     for layer in layers:
@@ -57,7 +58,12 @@ def layer_pair(make_layer, shape, initial_value):
     weights = [initial_value(weight, rng) for weight in layers[0].weights]
     for layer in layers:
         layer.set_weights(weights)
-    result = fuse_normalization(keras.Sequential([keras.Input(shape[1:]), layers[0]], name="pair"))
+    return layers, fuse_normalization(keras.Sequential([keras.Input(shape[1:]), layers[0]], name="pair"))
+
+
+def layer_pair(make_layer, shape, initial_value):
+    """(fused layer, Keras copy) from `fused_twin`; the first fused (and only it)."""
+    layers, result = fused_twin(make_layer, shape, initial_value)
     assert result.fused == ("pair/" + layers[0].name,) and not is_fused(layers[1])
     return layers
 

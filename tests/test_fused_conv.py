@@ -20,7 +20,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from fused_scaffolding import EPS32, eps  # noqa: E402
+from fused_scaffolding import EPS32, eps, fused_twin  # noqa: E402
 
 from tfmp.precision import conv, probe  # noqa: E402
 from tfmp.precision.fused_norm import fuse_normalization, is_fused  # noqa: E402
@@ -81,16 +81,12 @@ def _gradient_graph(layer, shape, device=None, backward=True):
 
 
 def _fused_pair(cls, shape, config, policy="mixed_float16"):
-    """A fused layer and a Keras twin with the same random weights."""
-    layers = [cls(dtype=policy, **config) for _ in range(2)]
-    for layer in layers:
-        layer.build(shape)
-    rng = np.random.default_rng(0)
-    weights = [rng.normal(0, 0.5, w.shape).astype(np.float32) for w in layers[0].weights]
-    for layer in layers:
-        layer.set_weights(weights)
-    result = fuse_normalization(keras.Sequential([keras.Input(shape[1:]), layers[0]], name="pair"))
-    return layers, result
+    """A fused layer and a Keras twin with the same random weights, and fuse_normalization's report."""
+    return fused_twin(lambda: cls(dtype=policy, **config), shape, _random_weight)
+
+
+def _random_weight(weight, rng):
+    return rng.normal(0, 0.5, weight.shape).astype(np.float32)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

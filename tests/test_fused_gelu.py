@@ -20,7 +20,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from fused_scaffolding import EPS32, eps  # noqa: E402
+from fused_scaffolding import EPS32, eps, fused_twin  # noqa: E402
 
 from tfmp.precision import activation  # noqa: E402
 from tfmp.precision.fused_norm import fuse_normalization, is_fused  # noqa: E402
@@ -80,15 +80,11 @@ def test_gelu_matches_float64_and_keras(dtype, approximate, shape):
 
 def _pair(layer_fn, shape, policy):
     """A fused layer (in a model fuse_normalization saw) and a Keras twin with the same weights."""
-    layers = [layer_fn(policy) for _ in range(2)]
-    for layer in layers:
-        layer.build(shape)
-    rng = np.random.default_rng(0)
-    weights = [rng.normal(0, 0.5, w.shape).astype(np.float32) for w in layers[0].weights]
-    for layer in layers:
-        layer.set_weights(weights)
-    result = fuse_normalization(keras.Sequential([keras.Input(shape[1:]), layers[0]], name="pair"))
-    return layers, result
+    return fused_twin(
+        lambda: layer_fn(policy),
+        shape,
+        lambda weight, rng: rng.normal(0, 0.5, weight.shape).astype(np.float32),
+    )
 
 
 LAYERS = {
