@@ -83,22 +83,23 @@ class OwnSteps:
                 "cannot do (Keras' fit fails there too); train it with xla=False, or on one replica"
             )
         self._workers = self.strategy.num_replicas_in_sync > engine.local_replicas
+        # Each method as a replica runs it; XLA (as Keras' jit_compile) compiles the whole step,
+        # one tf.function per method, however many replicas and traces call it.
+        self._steps = {
+            name: tf.function(getattr(self.model, name), jit_compile=True, autograph=False)
+            if engine.xla
+            else getattr(self.model, name)
+            for name in self.methods
+        }
         traced = engine.traced
         self._train_step = traced(self._one_train_step)
         self._test_step = traced(self._one_test_step)
         self._train_fn = traced(self._train_loop)
         self._eval_fn = traced(self._eval_loop)
 
-    def _per_replica(self, name: str):
-        step = getattr(self.model, name)
-        # As Keras' jit_compile: the whole step, on each replica.
-        return tf.function(step, jit_compile=True, autograph=False) if self.engine.xla else step
-
     def _one_train_step(self, data, stop_requested):
-        step = self._per_replica("train_step")
-
         def replica(data):
-            logs = _checked(step(data), self.model, "train_step")
+            logs = _checked(self._steps["train_step"](data), self.model, "train_step")
             self.engine.note_stop_request(stop_requested)
             return logs
 
@@ -107,7 +108,7 @@ class OwnSteps:
     def test_replica(self, data) -> dict:
         """One replica's test_step logs. Rows tfmp padded an evaluation batch with (so that every
         worker runs as many steps) reach the step with sample weight 0."""
-        return _checked(self._per_replica("test_step")(_keras_element(data)), self.model, "test_step")
+        return _checked(self._steps["test_step"](_keras_element(data)), self.model, "test_step")
 
     def _one_test_step(self, data):
         return self._replica_mean(self.strategy.run(self.test_replica, args=(data,)))
@@ -171,7 +172,7 @@ class OwnSteps:
 
     def predict_replica(self, data):
         """One replica's predict_step outputs: tensors (any structure), as Keras concatenates them."""
-        outputs = self._per_replica("predict_step")(data)
+        outputs = self._steps["predict_step"](data)
         if outputs is None or not all(tf.is_tensor(leaf) for leaf in tf.nest.flatten(outputs)):
             raise UsageError(
                 f"{type(self.model).__name__}.predict_step returned {_shown(outputs)}; return the "
