@@ -487,3 +487,80 @@ def test_two_workers_see_exactly_a_single_process_global_batch(spec):
         )
     resumed, _ = data.load(spec, "train", 8, seed=3, input_context=_context(2, 1, 2), skip_examples=4)
     np.testing.assert_array_equal(_take(resumed, 1)[0], workers[1][4:8])
+
+
+# ----------------------------------------------------------------------------- RandAugment, mixing
+MIXING = {"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "label_smoothing": 0.1}
+
+
+def test_mixing_gives_soft_labels_and_resumes_at_a_whole_batch():
+    load = lambda **kwargs: data.load("shapes", "train", 8, image_size=16, seed=5, augment=True, **kwargs)[0]
+    images, labels = _take(load(mixing=MIXING), 4)
+    assert images.shape == (32, 16, 16, 3) and labels.shape == (32, 10) and labels.dtype == np.float32
+    np.testing.assert_allclose(labels.sum(axis=1), 1.0, rtol=1e-5)
+    assert labels.min() >= 0.01 - 1e-6 and len({row.max().round(5) for row in labels}) > 1  # smoothed, mixed
+    # A second run, resumed after 2 batches: the same examples, lambdas and boxes.
+    resumed = _take(load(mixing=MIXING, skip_examples=16), 2)
+    np.testing.assert_array_equal(resumed[0], images[16:])
+    np.testing.assert_array_equal(resumed[1], labels[16:])
+    plain_images, plain_labels = _take(load(), 4)
+    assert not np.array_equal(images, plain_images)
+    # Mixing off (both alphas 0): the same examples, their labels one-hot.
+    unmixed_images, one_hot = _take(load(mixing=data.Mixing()), 4)
+    np.testing.assert_array_equal(unmixed_images, plain_images)
+    np.testing.assert_array_equal(one_hot, np.eye(10, dtype=np.float32)[plain_labels])
+    evaluation = data.load(
+        "shapes", "eval", 8, image_size=16, training=False, mixing=MIXING, randaugment=(2, 9)
+    )
+    _, eval_labels = _take(evaluation[0], 1)  # eval: never mixed or augmented
+    assert eval_labels.dtype == np.int32 and eval_labels.shape == (8,)
+
+
+def test_randaugment_through_a_folder(image_folder):
+    load = lambda **kwargs: data.load(
+        f"folder:{image_folder}", "train", 6, image_size=12, seed=2, augment=True, **kwargs
+    )[0]
+    images, labels = _take(load(randaugment=(2, 9)), 3)
+    plain_images, plain_labels = _take(load(), 3)
+    assert images.shape == (18, 12, 12, 3) and images.dtype == np.float32
+    assert 0.0 <= images.min() and images.max() <= 1.0 and not np.array_equal(images, plain_images)
+    np.testing.assert_array_equal(labels, plain_labels)  # the same examples, augmented more
+    # A second run, resumed after 5 examples: augmented as the first.
+    np.testing.assert_array_equal(_take(load(randaugment=(2, 9), skip_examples=5), 2)[0], images[5:17])
+    np.testing.assert_array_equal(_take(load(randaugment=(0, 9)), 3)[0], plain_images)  # flips, crops kept
+
+
+def test_randaugment_and_mixing_through_tfds_mock():
+    with tfds.testing.mock_data(num_examples=10):
+        load = lambda **kwargs: data.load("tfds:mnist", "train", 4, seed=1, **kwargs)[0]
+        images, labels = _take(load(randaugment=(2, 9), mixing={"cutmix_alpha": 1.0}), 2)
+        plain_images, _ = _take(load(), 2)
+    assert images.shape == (8, 28, 28, 1) and labels.shape == (8, 10)
+    assert 0.0 <= images.min() and images.max() <= 1.0 and not np.array_equal(images, plain_images)
+    np.testing.assert_allclose(labels.sum(axis=1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "spec, kwargs, message",
+    [
+        ("shapes", {"randaugment": (2, 12)}, "randaugment magnitude 12 must be in [0, 10]"),
+        ("shapes", {"randaugment": 9}, "randaugment 9 must be (num_ops, magnitude), e.g. (2, 9)"),
+        ("shapes", {"mixing": {"mixup": 0.8}}, "unknown mixing setting(s) mixup; choose from: mixup_alpha"),
+        ("shapes", {"mixing": {"num_classes": 5}}, "mixing num_classes 5 is not the dataset's 10 classes"),
+        ("synthetic", {"mixing": MIXING}, "randaugment and mixing do not apply to the synthetic dataset"),
+        (
+            "synthetic",
+            {"randaugment": (2, 9)},
+            "randaugment and mixing do not apply to the synthetic dataset",
+        ),
+    ],
+)
+def test_bad_augmentation_settings(spec, kwargs, message):
+    with pytest.raises(UsageError) as error:
+        data.load(spec, "train", 8, **kwargs)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_synthetic_eval_ignores_mixing():
+    _, labels = next(iter(data.load("synthetic", "eval", 8, training=False, mixing=MIXING)[0]))
+    assert labels.shape == (8,) and labels.dtype == tf.int32

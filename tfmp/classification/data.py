@@ -27,7 +27,7 @@ they cost no memory at any resolution, are identical everywhere and parallelise 
 
 Pipeline order: cheap example stream (indices, file paths or still-encoded TFDS records) ->
 [shard] -> [decode + cache, if cache=True] -> shuffle (training) -> repeat (training only) ->
-[shard] -> skip(skip_examples) -> decode -> augment -> batch -> prefetch. Training streams
+[shard] -> skip(skip_examples) -> decode -> augment -> batch -> [mix] -> prefetch. Training streams
 without TFDS file sharding or cache shard late: every worker shuffles identically and takes
 every n-th example, so each global batch is exactly a single process's. Shuffling and skipping the
 cheap stream means resuming after N examples decodes none of them. ``cache=True`` decodes
@@ -35,6 +35,13 @@ in source order and caches *before* the shuffle; the shuffle buffer is the same,
 example order is the same as without cache (skipped examples are then decoded, as they fill
 the cache anyway). The order depends only on ``seed`` (and TensorFlow's global seed, which
 tf.data folds into every op seed), never on the number of replicas sharing one pipeline.
+
+Training augmentation (`tfmp.classification.augmentation`): ``augment=True`` flips and crops,
+``randaugment=(num_ops, magnitude)`` applies RandAugment per example after that, and
+``mixing=`` (a `tfmp.input.mixing.Mixing` or a dict of its fields, e.g. ``{"mixup_alpha": 0.8,
+"cutmix_alpha": 1.0, "label_smoothing": 0.1}``) mixes each batch with Mixup/CutMix; the labels
+are then float32 [batch, num_classes]. All are keyed by the seed and the stream position, so a
+resumed run (``skip_examples``, a whole number of batches for mixing) augments identically.
 """
 
 import dataclasses
@@ -44,10 +51,11 @@ import os
 import tensorflow as tf
 from absl import logging
 
-from tfmp.classification import drawing
+from tfmp.classification import augmentation, drawing
 from tfmp.errors import UsageError
 from tfmp.input import decoding, image_files, stream, tfds_reader
 from tfmp.input import spec as specs
+from tfmp.input.mixing import Mixing
 from tfmp.input.source import Source
 from tfmp.input.stream import with_threads  # noqa: F401  (re-exported: callers use data.with_threads)
 
@@ -305,6 +313,8 @@ def load(
     cache: bool = False,
     seed: int = 0,
     skip_examples: int = 0,
+    randaugment: tuple[int, float] | None = None,
+    mixing: Mixing | dict | None = None,
 ) -> tuple[tf.data.Dataset, str]:
     """Returns (batched dataset of (image, label), shard policy "OFF" | "FILE" | "DATA").
 
@@ -313,9 +323,22 @@ def load(
     and start after `skip_examples` examples (of this pipeline's stream); eval streams ignore
     it, are finite and padded with label -1 rows to the same number of full batches for every
     replica, so no replica or worker runs short (`Engine.evaluate` ignores the padding).
+
+    Training only (eval ignores them; see the module docstring): `randaugment` (num_ops,
+    magnitude) per example, `mixing` per batch (a `tfmp.input.mixing.Mixing` or a dict of its
+    fields: mixup_alpha, cutmix_alpha, switch_prob, label_smoothing, num_classes; labels become
+    float32 [batch, num_classes]). The ``synthetic`` dataset's training stream refuses both.
     """
     source = _source(spec, split, image_size, data_dir)
     specs.check_counts(global_batch_size, skip_examples)
+    augmenting = augmentation.settings(
+        spec,
+        augment=augment,
+        randaugment=randaugment,
+        mixing=mixing,
+        num_classes=source.info.num_classes,
+        training=training,
+    )
     batch_size, pipelines = stream.per_replica_batch(global_batch_size, input_context)
     pipeline_id = input_context.input_pipeline_id if input_context else 0
     policy, why = stream.shard_policy(
@@ -339,7 +362,7 @@ def load(
             input_context,
             batch_size,
             training=training,
-            augment=augment,
+            augmenting=augmenting,
             cache=cache,
             seed=seed,
             skip_examples=skip_examples,
@@ -349,7 +372,7 @@ def load(
 
 
 def _pipeline(
-    source, policy, input_context, batch_size, *, training, augment, cache, seed, skip_examples, file_level
+    source, policy, input_context, batch_size, *, training, augmenting, cache, seed, skip_examples, file_level
 ):
     # The order, sharding and resumption of `tfmp.input.stream.example_stream`; see its docstring.
     dataset = stream.example_stream(
@@ -362,17 +385,19 @@ def _pipeline(
         file_level=file_level,
         cache=source.decode_item if cache else None,
     )
-    augmenting = training and augment
+    per_example, per_batch = augmenting.per_example, augmenting.mixing is not None
     seed_tensor = tf.constant(seed, tf.int64)
 
     def prepare(position, item):
         image, label = item if cache else source.decode_item(item)
-        if augmenting:  # the stream position keys the augmentation: a resumed run augments identically
-            image = _augment(image, tf.stack([seed_tensor, position]), source.flip_ok)
-        return image, label
+        if per_example:  # the stream position keys the augmentation: a resumed run augments identically
+            key, image_shape = tf.stack([seed_tensor, position]), source.info.image_shape
+            image = augmenting.example(image, key, flip_ok=source.flip_ok, image_shape=image_shape)
+        # Mixing keys a batch by its first example's position: the position travels with the batch.
+        return (position, image, label) if per_batch else (image, label)
 
-    # A cached, un-augmented stream is ready as it is: no per-example op left to run.
-    if cache and not augmenting:
+    # A cached, un-augmented, unmixed stream is ready as it is: no per-example op left to run.
+    if cache and not per_example and not per_batch:
         dataset = dataset.map(lambda position, item: item)
     else:
         dataset = dataset.map(prepare, num_parallel_calls=_AUTOTUNE)
@@ -382,18 +407,9 @@ def _pipeline(
         padding = (tf.zeros(image_shape, tf.float32), tf.constant(-1, tf.int32))  # label -1: counts nowhere
         dataset = stream.pad_to_full_batches(dataset, source.count(), padding, input_context, batch_size)
     dataset = dataset.batch(batch_size, drop_remainder=True)
+    if per_batch:
+        dataset = augmenting.mix(dataset, seed=seed, num_classes=source.info.num_classes)
     return dataset.prefetch(_AUTOTUNE)
-
-
-def _augment(image, key, flip_ok):
-    """Random horizontal flip and a random crop of the image padded by 1/8 of its size."""
-    flip_key, crop_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
-    if flip_ok:
-        image = tf.image.stateless_random_flip_left_right(image, flip_key)
-    height, width, channels = image.shape
-    pad = max(1, height // 8)
-    padded = tf.pad(image, [[pad, pad], [pad, pad], [0, 0]], mode="REFLECT")
-    return tf.image.stateless_random_crop(padded, [height, width, channels], crop_key)
 
 
 def _synthetic(source, batch_size, training, seed, input_context):

@@ -12,6 +12,8 @@
 * `decoding`   image files decoded one way by every reader and by that check (to the model's
                channels, WebP included), names that are not UTF-8, and the file a run's
                decode error came from
+* `randaugment` RandAugment's image ops on one image, keyed by a stateless random key
+* `mixing`     Mixup and CutMix of a batch (soft labels, label smoothing, sample weights)
 
 The tasks' data modules (`tfmp.classification.data`, `tfmp.detection.data`) build on these.
 """
