@@ -1,5 +1,7 @@
 """Tests for tfmp.models.vit: dtypes of every layer and sublayer, layer names, parameter counts and
-FLOPs against hand counts, the size checks, a .keras round trip and a run of apps.classify.
+FLOPs against hand counts, the size checks, a .keras round trip, stochastic depth (DeiT's linear
+per-block rates, a step under MirroredStrategy with and without XLA, a serving graph without a
+random op) and a run of apps.classify.
 
 Tiny shapes (8x8 images, width 8) except where a published size is the point; the file runs in
 seconds apart from the one app run, which starts a process and is marked slow.
@@ -8,14 +10,23 @@ seconds apart from the one app run, which starts a process and is marked slow.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import run_python
+from fused_scaffolding import assert_replicas_identical, replica_batches
+from test_stochastic_depth import random_op_types
 
 import tfmp.models
 from tfmp.errors import UsageError
 from tfmp.models import build, count_flops
-from tfmp.models.vit import VIT_TINY, vit
+from tfmp.models.stochastic_depth import StochasticDepth
+from tfmp.models.vit import VIT_TINY, drop_rates, vit
+from tfmp.precision import fuse_normalization
+from tfmp.serving import classifier
+from tfmp.training.engine import Engine
 
 TINY = {"patch_size": 4, "width": 8, "depth": 1, "heads": 2, "mlp_ratio": 2}
+# The stochastic depth tests' model: vit_tiny's shape, scaled down (3 blocks, width 16).
+DEEPER = {"depth": 3, "width": 16}
 
 
 @pytest.fixture(autouse=True)
@@ -164,6 +175,8 @@ def test_vit_b16_has_the_published_size():
         (lambda: tiny_vit(positions=1), "positions >= 2"),
         (lambda: tiny_vit(depth=0), "positive integer depth, got 0"),
         (lambda: tiny_vit(dropout=1.0), "dropout in [0, 1), got 1.0"),
+        (lambda: tiny_vit(stochastic_depth=1.0), "stochastic depth rate 1.0 must be in [0, 1)"),
+        (lambda: tiny_vit(stochastic_depth=-0.1), "stochastic depth rate -0.1 must be in [0, 1)"),
     ],
 )
 def test_bad_sizes_are_one_line_usage_errors(call, message):
@@ -198,6 +211,74 @@ def test_registry_entries_fix_the_architecture():
         "depth": 12,
         "heads": 12,
     }
+
+
+def residual_adds(model):
+    return [layer for layer in model.layers if layer.name.endswith(("_add1", "_add2"))]
+
+
+def test_stochastic_depth_rates_grow_linearly_over_the_blocks():
+    # DeiT's and timm's torch.linspace(0, rate, depth): the first block 0, the last the full rate.
+    np.testing.assert_allclose(drop_rates(0.1, 6), [0.0, 0.02, 0.04, 0.06, 0.08, 0.1], atol=1e-12)
+    assert drop_rates(0.1, 1) == [0.0]
+    model = tiny_vit(**DEEPER, stochastic_depth=0.2)
+    adds = residual_adds(model)
+    assert [layer.name for layer in adds] == [f"tiny_block{b}_add{i}" for b in (1, 2, 3) for i in (1, 2)]
+    assert all(type(layer) is StochasticDepth for layer in adds)
+    assert [layer.rate for layer in adds] == [0.0, 0.0, 0.1, 0.1, 0.2, 0.2]
+
+
+def test_without_stochastic_depth_the_adds_are_keras_add_layers():
+    plain, dropping = tiny_vit(**DEEPER), tiny_vit(**DEEPER, stochastic_depth=0.1)
+    assert all(type(layer) is keras.layers.Add for layer in residual_adds(plain))
+    assert [layer.name for layer in plain.layers] == [layer.name for layer in dropping.layers]
+    assert plain.count_params() == dropping.count_params() and count_flops(plain) == count_flops(dropping)
+    # fuse_normalization fuses the same layers either way (the adds are none of its business).
+    assert fuse_normalization(plain).fused == fuse_normalization(dropping).fused
+
+
+def test_the_registry_passes_stochastic_depth_to_vit_tiny():
+    model = build("vit_tiny", (8, 8, 3), 10, stochastic_depth=0.1)
+    assert model.get_layer("vit_tiny_block6_add2").rate == 0.1
+    assert model.get_layer("vit_tiny_block1_add1").rate == 0.0
+
+
+def test_stochastic_depth_vit_serves_deterministically(tmp_path):
+    model = tiny_vit("mixed_bfloat16", **DEEPER, stochastic_depth=0.5)
+    images = np.random.default_rng(3).random((4, 8, 8, 3), dtype=np.float32)
+    np.testing.assert_array_equal(model.predict(images, verbose=0), model.predict(images, verbose=0))
+    serve = classifier.serving(model, {})  # the function tfmp.serving.export writes as serving_default
+    assert random_op_types(serve, tf.TensorSpec([None, 8, 8, 3], tf.float32)) == set()
+    assert random_op_types(lambda x: model(x, training=True), tf.TensorSpec([None, 8, 8, 3], tf.float32))
+    model.save(tmp_path / "vit.keras")
+    loaded = keras.saving.load_model(tmp_path / "vit.keras")
+    assert [layer.rate for layer in residual_adds(loaded)] == [layer.rate for layer in residual_adds(model)]
+    np.testing.assert_array_equal(loaded(images), model(images))
+
+
+@pytest.mark.parametrize("xla", [False, True])
+def test_stochastic_depth_vit_trains_a_step_on_mirrored_replicas(mirrored, xla):
+    keras.utils.set_random_seed(4)
+    with mirrored.scope():
+        model = tiny_vit(**{**DEEPER, "depth": 2}, stochastic_depth=0.5)
+        # A random head instead of the zero one, so the first step's gradients reach the blocks.
+        model.get_layer("tiny_logits").kernel.assign(np.random.default_rng(5).normal(size=(16, 3)))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy())
+    engine = Engine(mirrored, model, xla=xla)
+    block = model.get_layer("tiny_block2_mlp2").kernel
+    before = block.numpy()
+    rng = np.random.default_rng(6)
+    arrays = (rng.random((8, 8, 8, 3), dtype=np.float32), rng.integers(0, 3, 8).astype(np.int32))
+    result = engine.train(replica_batches(mirrored, arrays, 8), 1)
+    assert np.isfinite(result.metrics["loss"]) and not np.array_equal(block.numpy(), before)
+    assert_replicas_identical(model)
+    # Block 2 draws (block 1's rate is 0): each state moved once, alike on both replicas.
+    states = [variable for variable in model.variables if "seed_generator" in variable.path]
+    assert len(states) == 2
+    for state in states:
+        copies = [copy.numpy() for copy in state.value.values]
+        np.testing.assert_array_equal(copies[0], copies[1])
+        assert copies[0][1] == 1
 
 
 @pytest.mark.slow  # starts TensorFlow in a new process

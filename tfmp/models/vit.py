@@ -7,7 +7,9 @@ Provides:
   strided convolution, a learned class token, learned position embeddings, `depth` pre-norm
   encoder blocks (LayerNormalization -> MultiHeadAttention -> residual add, LayerNormalization
   -> Dense GELU -> Dense -> residual add), a final LayerNormalization, and the float32 softmax
-  head on the class token.
+  head on the class token. `stochastic_depth=0.1` (DeiT's drop path) makes each block's two
+  residual adds `StochasticDepth` layers (`tfmp.models.stochastic_depth`), at DeiT's linear
+  per-block rates (`drop_rates`).
 * `ClassToken` and `PositionEmbedding`, the two small layers Keras has no built-in for.
 * `VIT_TINY` and `VIT_B16`, the option sets of the registry's `vit_tiny` (DeiT-Tiny's width
   192 and 3 heads, 6 blocks, 4x4 patches: 65 tokens at the built-in 32x32 data) and `vit_b16`
@@ -17,6 +19,7 @@ Provides:
 Usage (normally through the registry):
 
     model = tfmp.models.build("vit_tiny", (32, 32, 3), 10, dtype="mixed_bfloat16")
+    model = tfmp.models.build("vit_tiny", (32, 32, 3), 10, stochastic_depth=0.1)   # DeiT's
     python -m apps.classify --model=vit_tiny --epochs=2
 
 Why a class token and not global average pooling: it is what DeiT and ViT-B/16 use, so the
@@ -37,6 +40,7 @@ import keras
 
 from tfmp.errors import UsageError
 from tfmp.models.cnn import classifier_head, functional_model, image_input
+from tfmp.models.stochastic_depth import StochasticDepth
 
 # ViT's and DeiT's LayerNormalization epsilon (Keras' default is 1e-3).
 LAYER_NORM_EPSILON = 1e-6
@@ -142,8 +146,9 @@ def check_vit_sizes(
     return sequence
 
 
-def _encoder_block(x, name, dtype, *, heads, mlp_dim, dropout, attention_dropout):
-    """Pre-norm block: x + Attention(LN(x)), then x + MLP(LN(x)) with a GELU MLP."""
+def _encoder_block(x, name, dtype, *, heads, mlp_dim, dropout, attention_dropout, drop_rate):
+    """Pre-norm block: x + Attention(LN(x)), then x + MLP(LN(x)) with a GELU MLP; each residual
+    add a StochasticDepth layer at `drop_rate` (None: Keras' Add, the model without the option)."""
     width = x.shape[-1]
     normed = keras.layers.LayerNormalization(epsilon=LAYER_NORM_EPSILON, dtype=dtype, name=f"{name}_norm1")(x)
     attended = keras.layers.MultiHeadAttention(
@@ -151,7 +156,7 @@ def _encoder_block(x, name, dtype, *, heads, mlp_dim, dropout, attention_dropout
     )(normed, normed)
     if dropout:
         attended = keras.layers.Dropout(dropout, dtype=dtype, name=f"{name}_attention_dropout")(attended)
-    x = keras.layers.Add(dtype=dtype, name=f"{name}_add1")([x, attended])
+    x = _residual_add(f"{name}_add1", dtype, drop_rate)([x, attended])
     normed = keras.layers.LayerNormalization(epsilon=LAYER_NORM_EPSILON, dtype=dtype, name=f"{name}_norm2")(x)
     hidden = keras.layers.Dense(mlp_dim, activation="gelu", dtype=dtype, name=f"{name}_mlp1")(normed)
     if dropout:
@@ -159,7 +164,24 @@ def _encoder_block(x, name, dtype, *, heads, mlp_dim, dropout, attention_dropout
     hidden = keras.layers.Dense(width, dtype=dtype, name=f"{name}_mlp2")(hidden)
     if dropout:
         hidden = keras.layers.Dropout(dropout, dtype=dtype, name=f"{name}_mlp_dropout2")(hidden)
-    return keras.layers.Add(dtype=dtype, name=f"{name}_add2")([x, hidden])
+    return _residual_add(f"{name}_add2", dtype, drop_rate)([x, hidden])
+
+
+def _residual_add(name, dtype, drop_rate):
+    """The residual add layer: Keras' Add, or StochasticDepth (called the same) when the model
+    drops paths, so layer names, float32_layers patterns and pipeline boundaries stay valid."""
+    if drop_rate is None:
+        return keras.layers.Add(dtype=dtype, name=name)
+    return StochasticDepth(drop_rate, dtype=dtype, name=name)
+
+
+def drop_rates(stochastic_depth: float, depth: int) -> list[float]:
+    """Each block's stochastic depth rate, DeiT's and timm's linear rule: block 1 of `depth` drops
+    nothing, block b `stochastic_depth` * (b - 1) / (depth - 1), the last the full rate (a
+    single block: 0, as timm's `linspace(0, rate, 1)`)."""
+    if depth == 1:
+        return [0.0]
+    return [stochastic_depth * (block / (depth - 1)) for block in range(depth)]  # the last: exactly
 
 
 def vit(
@@ -176,11 +198,16 @@ def vit(
     dropout: float = 0.0,
     attention_dropout: float = 0.0,
     positions: int | None = None,
+    stochastic_depth: float = 0.0,
 ) -> keras.Model:
     """A ViT classifier. `mlp_ratio` * `width` is the MLP's hidden width; `dropout` follows the
     attention output and both MLP layers (and the embeddings), `attention_dropout` the attention
     probabilities (DeiT: both 0; ViT from scratch on ImageNet: 0.1 and 0). `positions` is the size
     of the position-embedding table, None: exactly the sequence the input makes.
+    `stochastic_depth` in [0, 1) drops each block's two residual branches per example in training
+    at the rates of `drop_rates` (DeiT trains every size with 0.1); the adds become
+    `StochasticDepth` layers of the same names. 0: Keras' Add layers, the model exactly as
+    without the option.
 
     Layers: `{name}_patches` (the patch embedding), `{name}_tokens`, `{name}_class_token`,
     `{name}_positions`, `{name}_block{b}_{norm1,attention,add1,norm2,mlp1,mlp2,add2}`,
@@ -194,6 +221,10 @@ def vit(
     for option, rate in (("dropout", dropout), ("attention_dropout", attention_dropout)):
         if not 0 <= rate < 1:
             raise UsageError(f"model {name!r} needs {option} in [0, 1), got {rate}")
+    if not 0 <= stochastic_depth < 1:  # also refuses NaN
+        raise UsageError(f"model {name!r}: stochastic depth rate {stochastic_depth} must be in [0, 1)")
+    # None: Keras' Add layers, the model exactly as without the option.
+    rates = drop_rates(stochastic_depth, depth) if stochastic_depth else [None] * depth
     x = keras.layers.Conv2D(
         width,
         patch_size,
@@ -207,7 +238,7 @@ def vit(
     x = PositionEmbedding(positions or sequence, dtype=dtype, name=f"{name}_positions")(x)
     if dropout:
         x = keras.layers.Dropout(dropout, dtype=dtype, name=f"{name}_embedding_dropout")(x)
-    for block in range(1, depth + 1):
+    for block, drop_rate in enumerate(rates, start=1):
         x = _encoder_block(
             x,
             f"{name}_block{block}",
@@ -216,6 +247,7 @@ def vit(
             mlp_dim=mlp_ratio * width,
             dropout=dropout,
             attention_dropout=attention_dropout,
+            drop_rate=drop_rate,
         )
     x = keras.layers.LayerNormalization(epsilon=LAYER_NORM_EPSILON, dtype=dtype, name=f"{name}_norm")(x)
     # The class token's output is the image's features: crop the sequence to it, drop the axis.
