@@ -20,7 +20,7 @@ from tfmp.errors import UsageError
 from tfmp.models import build, count_flops
 from tfmp.models.stochastic_depth import StochasticDepth
 from tfmp.models.vit import VIT_TINY, drop_rates, vit
-from tfmp.precision import fuse_normalization
+from tfmp.precision import float32_layers, fuse_normalization
 from tfmp.serving import classifier
 from tfmp.training.engine import Engine
 
@@ -235,6 +235,9 @@ def test_without_stochastic_depth_the_adds_are_keras_add_layers():
     assert plain.count_params() == dropping.count_params() and count_flops(plain) == count_flops(dropping)
     # fuse_normalization fuses the same layers either way (the adds are none of its business).
     assert fuse_normalization(plain).fused == fuse_normalization(dropping).fused
+    # --float32_layers patterns name the adds as before; the copy keeps each layer's rate.
+    copy = float32_layers(dropping, ["tiny_block3_add[12]"]).get_layer("tiny_block3_add2")
+    assert (type(copy), copy.rate, copy.dtype_policy.name) == (StochasticDepth, 0.1, "float32")
 
 
 def test_the_registry_passes_stochastic_depth_to_vit_tiny():
