@@ -18,7 +18,7 @@ from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.distribute.launch import LAUNCH_COMMAND_ENV, STARTUP_TIMEOUT_ENV
 from tfmp.errors import UsageError
-from tfmp.models import MODELS
+from tfmp.models import MODELS, recipes
 from tfmp.training.config import TrainConfig
 from tfmp.training.diagnosis import DEFAULT_STEPS as DEFAULT_DIAGNOSE_STEPS
 from tfmp.training.diagnosis import diagnose_precision
@@ -38,7 +38,22 @@ flags.DEFINE_integer(
     "Refuse folder:/coco: images whose header declares more pixels (decompression bombs), before "
     "the run starts; default 89478485 (Pillow's), 0: no limit.",
 )
+flags.DEFINE_string(
+    "recipe",
+    "auto",
+    f"Training recipe for the flags you leave unset: auto (the model's own), {', '.join(recipes.RECIPES)} "
+    "(docs/recipes.md).",
+)
 flags.DEFINE_bool("augment", False, "Random flips and crops on training images.")
+flags.DEFINE_integer("randaugment_ops", 0, "RandAugment: image ops per training image (0: off; DeiT: 2).")
+flags.DEFINE_float("randaugment_magnitude", 9.0, "RandAugment: the ops' strength from 0 to 10 (DeiT: 9).")
+flags.DEFINE_float("mixup_alpha", 0.0, "Mixup's Beta(alpha, alpha) on training batches (0: off; DeiT: 0.8).")
+flags.DEFINE_float(
+    "cutmix_alpha", 0.0, "CutMix's Beta(alpha, alpha) on training batches (0: off; DeiT: 1.0)."
+)
+flags.DEFINE_float(
+    "stochastic_depth", 0.0, "Residual-branch drop rate of the last block, linear from 0 (ViTs; DeiT: 0.1)."
+)
 flags.DEFINE_bool("cache", False, "Cache decoded examples in memory after the first epoch.")
 flags.DEFINE_integer("epochs", 3, "Training epochs (ignored when --steps > 0).")
 flags.DEFINE_integer("steps", 0, "Total training steps; overrides --epochs when > 0.")
@@ -47,6 +62,11 @@ flags.DEFINE_integer("global_batch_size", 64, "Global batch over all replicas an
 flags.DEFINE_string("optimizer", "adam", f"One of {', '.join(optim.OPTIMIZERS)}.")
 flags.DEFINE_float("learning_rate", 1e-3, "Base learning rate, for --reference_batch_size.")
 flags.DEFINE_float("weight_decay", 0.0, "Decoupled weight decay of the optimizer.")
+flags.DEFINE_bool(
+    "exclude_from_weight_decay",
+    False,
+    "No weight decay on normalization scales and offsets, biases, embeddings and tokens (DeiT, timm).",
+)
 flags.DEFINE_float(
     "label_smoothing", 0.0, "Classification: the share of each label spread over all classes (DeiT: 0.1)."
 )
@@ -55,6 +75,7 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer("reference_batch_size", 256, "Batch size the base learning rate was tuned for.")
 flags.DEFINE_integer("warmup_steps", 0, "Linear learning-rate warmup steps.")
+flags.DEFINE_float("warmup_epochs", 0.0, "Linear warmup in epochs, when --warmup_steps is 0.")
 flags.DEFINE_string("lr_decay", "constant", f"After warmup: {', '.join(optim.DECAYS)}.")
 flags.DEFINE_string("precision", "float32", f"Policy: {', '.join(precision.CHOICES)}.")
 flags.DEFINE_bool("mixed", False, "Best mixed policy for this hardware (same as --precision=mixed).")
@@ -163,7 +184,11 @@ def config_from_flags(**overrides) -> TrainConfig:
     values["pipeline_boundaries"] = tuple(values["pipeline_boundaries"])
     values["float32_layers"] = tuple(values["float32_layers"])
     values.update(overrides)
-    return TrainConfig.from_flat(**values)
+    config = TrainConfig.from_flat(**values)
+    # The recipe fills in what the user left unset: flags given on the command line or in a
+    # flagfile, and the app's own overrides, win.
+    explicit = {name for name in TRAIN_FLAGS if FLAGS[name].present} | set(overrides)
+    return config.with_recipe(recipes.resolve(FLAGS.recipe, config.model), explicit)
 
 
 def resolved_flags(app_name: str, config: TrainConfig) -> str:

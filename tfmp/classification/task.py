@@ -17,24 +17,41 @@ from tfmp.classification import data
 from tfmp.training import fit_data
 
 
+def _targets(y_true, y_pred):
+    """Per-class targets: soft labels (Mixup/CutMix rows, rank 2) as they are, class ids one-hot."""
+    if y_true.shape.rank == y_pred.shape.rank and y_true.shape[-1] != 1:
+        return tf.cast(y_true, y_pred.dtype)
+    classes = tf.shape(y_pred)[-1]
+    return tf.one_hot(tf.cast(tf.reshape(y_true, [-1]), tf.int32), classes, dtype=y_pred.dtype)
+
+
 @keras.saving.register_keras_serializable(package="tfmp")
 class SmoothedSparseCrossentropy(keras.losses.Loss):
     """Cross-entropy of class ids against probabilities with label smoothing: the one-hot label
     becomes (1 - e) on its class plus e / classes everywhere (Szegedy et al. 2016; DeiT's 0.1).
     Keras' SparseCategoricalCrossentropy has no `label_smoothing` and its categorical one needs
-    one-hot labels; this is the categorical one on the ids' one-hot rows."""
+    one-hot labels; this is the categorical one on the ids' one-hot rows. Soft labels (a row of
+    class shares per example, as Mixup and CutMix make them) are taken as they are: smoothing a
+    mix equals mixing the smoothed labels, as it is linear."""
 
     def __init__(self, label_smoothing: float, name: str = "smoothed_sparse_crossentropy", **kwargs):
         super().__init__(name=name, **kwargs)
         self.label_smoothing = float(label_smoothing)
 
     def call(self, y_true, y_pred):
-        classes = tf.shape(y_pred)[-1]
-        one_hot = tf.one_hot(tf.cast(tf.reshape(y_true, [-1]), tf.int32), classes, dtype=y_pred.dtype)
-        return keras.losses.categorical_crossentropy(one_hot, y_pred, label_smoothing=self.label_smoothing)
+        targets = _targets(y_true, y_pred)
+        return keras.losses.categorical_crossentropy(targets, y_pred, label_smoothing=self.label_smoothing)
 
     def get_config(self) -> dict:
         return {**super().get_config(), "label_smoothing": self.label_smoothing}
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+def class_accuracy(y_true, y_pred):
+    """Accuracy for class ids and for soft labels (their largest share is the class): one metric
+    for a Mixup/CutMix training stream and its plain eval stream."""
+    targets = tf.argmax(_targets(y_true, y_pred), axis=-1)
+    return tf.cast(tf.equal(targets, tf.argmax(y_pred, axis=-1)), tf.float32)
 
 
 def compile_classifier(
@@ -42,9 +59,11 @@ def compile_classifier(
     optimizer: keras.optimizers.Optimizer,
     strategy: tf.distribute.Strategy,
     label_smoothing: float = 0.0,
+    soft_labels: bool = False,
 ) -> keras.Model:
     """Compiles a tfmp classifier (float32 softmax head) as the apps train it, and builds its
-    loss and metrics for (images, int labels) batches."""
+    loss and metrics for (images, int labels) batches, or for (images, soft labels) ones with
+    `soft_labels` (Mixup/CutMix: a float row of class shares per example; eval keeps int labels)."""
     with strategy.scope():
         # The builders end in float32 probabilities; Keras losses compute in float32 too.
         # Accuracy is a *weighted* metric so that padded eval rows (weight 0) count nowhere.
@@ -54,19 +73,41 @@ def compile_classifier(
             optimizer=optimizer,
             loss=(
                 SmoothedSparseCrossentropy(label_smoothing)
-                if label_smoothing
+                if label_smoothing or soft_labels
                 else keras.losses.SparseCategoricalCrossentropy()
             ),
-            weighted_metrics=["accuracy"],
+            weighted_metrics=[
+                keras.metrics.MeanMetricWrapper(class_accuracy, name="accuracy")
+                if soft_labels
+                else "accuracy"
+            ],
             auto_scale_loss=False,
         )
-    spec = (tf.TensorSpec((None, *model.input_shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32))
+    labels = (
+        tf.TensorSpec((None, model.output_shape[-1]), tf.float32)
+        if soft_labels
+        else tf.TensorSpec((None,), tf.int32)
+    )
+    spec = (tf.TensorSpec((None, *model.input_shape[1:]), tf.float32), labels)
     fit_data.build_for_data(model, strategy, spec)
     return model
 
 
+def _randaugment(config) -> tuple[int, float] | None:
+    ops = config.data.randaugment_ops
+    return (ops, config.data.randaugment_magnitude) if ops else None
+
+
+def _mixing(config) -> dict | None:
+    """Mixup/CutMix of each training batch; label smoothing stays the loss's (it applies to the
+    mix alike), so the mixed rows hold plain class shares."""
+    mixup, cutmix = config.data.mixup_alpha, config.data.cutmix_alpha
+    return {"mixup_alpha": mixup, "cutmix_alpha": cutmix} if mixup or cutmix else None
+
+
 class ClassificationTask:
     models = models.MODELS
+    soft_labels = True  # its loss takes Mixup/CutMix's soft labels
     model_kind = "model"
     unit = "examples"
 
@@ -79,11 +120,17 @@ class ClassificationTask:
         )
 
     def build_model(self, config, plan) -> keras.Model:
+        # Only a rate above 0 is passed: models without residual branches take no such option.
+        options = {"stochastic_depth": config.stochastic_depth} if config.stochastic_depth else {}
         with plan.model_strategy.scope():
-            return models.build(config.model, plan.info.image_shape, plan.info.num_classes, dtype=plan.policy)
+            return models.build(
+                config.model, plan.info.image_shape, plan.info.num_classes, dtype=plan.policy, **options
+            )
 
     def compile(self, model, optimizer, plan) -> keras.Model:
-        return compile_classifier(model, optimizer, plan.strategy, plan.label_smoothing)
+        return compile_classifier(
+            model, optimizer, plan.strategy, plan.label_smoothing, soft_labels=plan.soft_labels
+        )
 
     def train_dataset(self, config, plan, input_context=None, skip_examples: int = 0):
         """(endless training stream of (images, labels), shard policy); global batches without
@@ -100,6 +147,8 @@ class ClassificationTask:
             cache=config.data.cache,
             seed=config.seed,
             skip_examples=skip_examples,
+            randaugment=_randaugment(config),
+            mixing=_mixing(config),
         )
 
     def inputs(self, config, plan, engine, start_step: int):
@@ -148,7 +197,12 @@ class ClassificationTask:
             f"{info.train_examples} train / {info.eval_examples} eval",
             "head dtype": model.layers[-1].dtype_policy.compute_dtype,
             "output dtype": model.output.dtype,
-            "loss": "sparse categorical cross-entropy on float32 probabilities"
+            "loss": (
+                "categorical cross-entropy of Mixup/CutMix soft labels"
+                if plan.soft_labels
+                else "sparse categorical cross-entropy"
+            )
+            + " on float32 probabilities"
             + (f", label smoothing {plan.label_smoothing:g}" if plan.label_smoothing else "")
             + ", metric accuracy",
         }

@@ -69,6 +69,15 @@ def check_dtype_policy(dtype: str | None) -> None:
             raise UsageError(f"bad dtype policy {dtype!r}: {error}") from None
 
 
+def options(name: str) -> set[str]:
+    """The builder options (keyword-only arguments) the registered model `name` takes."""
+    builder = MODELS[name]
+    parameters = inspect.signature(builder).parameters
+    accepted = {key for key, param in parameters.items() if param.kind is param.KEYWORD_ONLY}
+    # Options the registry entry fixes (resnet20's depth) are part of its identity, not knobs.
+    return accepted - set(getattr(builder, "keywords", {}))
+
+
 def build(
     name: str,
     input_shape: tuple[int, ...],
@@ -86,14 +95,11 @@ def build(
         raise unknown("model", name, MODELS)
     check_dtype_policy(dtype)
     builder = MODELS[name]
-    parameters = inspect.signature(builder).parameters
-    accepted = {key for key, param in parameters.items() if param.kind is param.KEYWORD_ONLY}
-    # Options the registry entry fixes (resnet20's depth) are part of its identity, not knobs.
-    accepted -= set(getattr(builder, "keywords", {}))
+    accepted = options(name)
     rejected = sorted(set(kwargs) - accepted)
     if rejected:
-        options = ", ".join(sorted(accepted)) or "none"
+        offered = ", ".join(sorted(accepted)) or "none"
         raise UsageError(
-            f"model {name!r} does not take option(s) {', '.join(rejected)}; its options: {options}"
+            f"model {name!r} does not take option(s) {', '.join(rejected)}; its options: {offered}"
         )
     return builder(tuple(input_shape), num_classes, dtype=dtype, name=name, **kwargs)

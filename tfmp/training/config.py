@@ -16,9 +16,11 @@ directly: `TrainConfig(model="lenet", data=DataConfig(dataset="digits"))`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from tfmp.distribute.allreduce import DEFAULT_BUCKET_BYTES
 from tfmp.distribute.strategies import DEFAULT_STARTUP_TIMEOUT
+from tfmp.models.recipes import KNOBS, SUPERSEDED_BY
 
 
 @dataclasses.dataclass
@@ -32,6 +34,12 @@ class DataConfig:
     # Pillow's 89,478,485, 0: no limit. None stays out of flags.txt, so older runs resume.
     max_image_pixels: int | None = None
     augment: bool = False
+    # RandAugment (tfmp.input.randaugment): ops per image (0: off) at a magnitude from 0 to 10.
+    randaugment_ops: int = 0
+    randaugment_magnitude: float = 9.0
+    # Mixup / CutMix on each training batch (tfmp.input.mixing): Beta(alpha, alpha); 0: off.
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
     cache: bool = False
     global_batch_size: int = 64
     data_threads: int = 0  # tf.data's private thread pool; 0: the shared default
@@ -44,10 +52,14 @@ class OptimizationConfig:
     optimizer: str = "adam"
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
+    # No weight decay on normalization scales and offsets, biases, embeddings and tokens
+    # (tfmp.optim.decay_exclusions), as DeiT, timm and big_vision train.
+    exclude_from_weight_decay: bool = False
     label_smoothing: float = 0.0  # classification: (1 - e) x the label + e spread over the classes
     lr_scaling: str = "none"
     reference_batch_size: int = 256
     warmup_steps: int = 0
+    warmup_epochs: float = 0.0  # used when warmup_steps is 0: a recipe's warmup for any dataset
     lr_decay: str = "constant"
     epochs: int = 1
     steps: int = 0  # total training steps; > 0 overrides epochs
@@ -127,6 +139,11 @@ class TrainConfig:
     """Every knob of a run, one group per concern; the apps fill it from flags."""
 
     model: str = "seed_cnn"
+    # The training recipe applied (tfmp.models.recipes); `recipe_fields` names the flags whose
+    # values came from it (the rest: the user's flags or the plain defaults).
+    recipe: str = "none"
+    recipe_fields: tuple[str, ...] = ()
+    stochastic_depth: float = 0.0  # a residual model's drop rate for its last block (linear rule)
     seed: int = 0
     evaluate: bool = True
     verbose: bool = True
@@ -138,6 +155,19 @@ class TrainConfig:
     pruning: PruningConfig = dataclasses.field(default_factory=PruningConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     detection: DetectionConfig = dataclasses.field(default_factory=DetectionConfig)
+
+    def with_recipe(self, recipe, explicit: Collection[str] = ()) -> TrainConfig:
+        """This config with `recipe`'s values (a `tfmp.models.recipes.Recipe`) for every knob
+        not in `explicit` (the flags the user set); `recipe_fields` records which it took."""
+        superseded = {knob for knob, flags in SUPERSEDED_BY.items() if set(flags) & set(explicit)}
+        taken = {
+            name: value
+            for name, value in recipe.values.items()
+            if name not in explicit and name not in superseded
+        }
+        values = {**self.flat(), **taken, "recipe": recipe.name}
+        values["recipe_fields"] = tuple(name for name in KNOBS if name in taken)
+        return TrainConfig.from_flat(**values)
 
     @classmethod
     def from_flat(cls, **values) -> TrainConfig:

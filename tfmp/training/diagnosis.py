@@ -33,7 +33,7 @@ def diagnose_precision(config: TrainConfig, task: Task, steps: int = DEFAULT_STE
     plan = make_plan(config, task)
     keras.utils.set_random_seed(config.seed)
     model = build_model(config, plan, task)
-    task.compile(model, build_optimizer(config, plan), plan)
+    task.compile(model, build_optimizer(config, plan, model), plan)
     dataset, _ = task.train_dataset(config, plan)
     report = precision.diagnose(model, dataset, steps=steps)
     if plan.topology.is_chief:

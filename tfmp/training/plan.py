@@ -19,12 +19,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import tensorflow as tf
 
-from tfmp import optim, precision, pruning
+from tfmp import models, optim, precision, pruning
 from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.distribute.cluster import parse_tf_config
 from tfmp.distribute.launch import RUN_NAME_ENV
 from tfmp.errors import UsageError, unknown
+from tfmp.models import recipes
 from tfmp.pipeline import plan as pipeline
 from tfmp.training.config import TrainConfig
 
@@ -109,8 +110,28 @@ def _check_ranges(config: TrainConfig) -> None:
         raise UsageError(
             f"--max_detections={config.detection.max_detections} must be a positive number of boxes, e.g. 100"
         )
+    recipes.check(config.flat())
     if not 0 <= config.seed < 2**32:  # Keras' and NumPy's seeds are 32-bit
         raise UsageError(f"--seed={config.seed} must be from 0 to 2**32 - 1, e.g. 0")
+
+
+def _check_recipe_pieces(config: TrainConfig, task: Plannable) -> None:
+    """Stochastic depth only for a model that has it; Mixup/CutMix only where the loss takes the
+    soft labels they make (a task says so with `soft_labels = True`)."""
+    if config.stochastic_depth and config.model in models.MODELS:
+        if "stochastic_depth" not in models.options(config.model):
+            takers = sorted(name for name in models.MODELS if "stochastic_depth" in models.options(name))
+            raise UsageError(
+                f"--stochastic_depth={config.stochastic_depth}: model {config.model!r} has no residual "
+                f"branches to drop; use it with {', '.join(takers)}, or leave it at 0"
+            )
+    mixing = {"mixup_alpha": config.data.mixup_alpha, "cutmix_alpha": config.data.cutmix_alpha}
+    for flag, alpha in mixing.items():
+        if alpha and not getattr(task, "soft_labels", False):
+            raise UsageError(
+                f"--{flag}={alpha}: {type(task).__name__}'s loss takes no mixed soft labels; Mixup and "
+                "CutMix are for classification (apps.classify, apps.mnist), leave it at 0"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +156,8 @@ class Plan:
     prune_schedule: pruning.ConstantSchedule | None
     allreduce: allreduce.Plan  # the gradients' sum: dtype and buckets
     label_smoothing: float  # a classifier's loss: the share of each label spread over the classes
+    warmup_steps: int  # --warmup_steps, else --warmup_epochs in this run's steps
+    soft_labels: bool  # Mixup or CutMix: training labels are rows of class shares
     # Whose scope makes the model's and the optimizer's variables: `strategy`, or with a
     # pipeline on every worker the default strategy (each worker's variables are its own, on its
     # stages' devices; the replicas all-reduce the gradients, see training.engine).
@@ -156,6 +179,7 @@ def make_plan(config: TrainConfig, task: Plannable) -> Plan:
     _check_ranges(config)
     if config.model not in task.models:
         raise unknown(task.model_kind, config.model, task.models)
+    _check_recipe_pieces(config, task)
     # Thread pools and logical CPU devices can only be set before TensorFlow initialises its runtime.
     distribute.set_threads(config.distribution.intra_op_threads, config.distribution.inter_op_threads)
     strategy_name, one_replica_per_worker = _pipeline_strategy(config)
@@ -205,9 +229,12 @@ def make_plan(config: TrainConfig, task: Plannable) -> Plan:
         config.optimization.reference_batch_size,
         config.optimization.lr_scaling,
     )
-    schedule = optim.schedule(
-        learning_rate, total_steps, config.optimization.warmup_steps, config.optimization.lr_decay
+    # A warmup given in epochs (a recipe's) is cut to the run's length: a 20-step smoke test of
+    # a 5-warmup-epoch recipe warms up for its 20 steps rather than failing.
+    warmup_steps = config.optimization.warmup_steps or min(
+        total_steps, round(config.optimization.warmup_epochs * steps_per_epoch)
     )
+    schedule = optim.schedule(learning_rate, total_steps, warmup_steps, config.optimization.lr_decay)
     if topology.workers > 1 and not config.checkpointing.model_dir and not os.environ.get(RUN_NAME_ENV):
         raise UsageError(
             "multi-worker training without tfmp.launch needs an explicit --model_dir shared by "
@@ -250,6 +277,8 @@ def make_plan(config: TrainConfig, task: Plannable) -> Plan:
         prune_schedule,
         summing,
         config.optimization.label_smoothing,
+        warmup_steps,
+        bool(config.data.mixup_alpha or config.data.cutmix_alpha),
         tf.distribute.get_strategy() if one_replica_per_worker else strategy,
     )
 

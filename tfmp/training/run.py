@@ -182,7 +182,6 @@ def _train(config, task, plan, built, checkpoints, start_step, resolved_flags, r
 
 def _build(config: TrainConfig, plan: Plan, task: Task) -> tuple:
     """(model, engine, pipeline stages or None, pruner or None), compiled in the run's strategy."""
-    optimizer = build_optimizer(config, plan)
     model = build_model(config, plan, task)
     stages = None
     if config.pipeline.pipeline_stages > 1:
@@ -195,6 +194,8 @@ def _build(config: TrainConfig, plan: Plan, task: Task) -> tuple:
         )
         with plan.model_strategy.scope():
             pipeline.place(model, stages)  # before compile: optimizer slots follow their variables
+    # After the placement, which makes new variables: weight decay's exclusions name the final ones.
+    optimizer = build_optimizer(config, plan, model)
     with plan.model_strategy.scope():  # its slots next to their variables, before compile's build
         optimizer.build(model.trainable_variables)
     task.compile(model, optimizer, plan)
@@ -235,7 +236,10 @@ RESUMABLE_CHANGES = frozenset(
         "lr_scaling",
         "reference_batch_size",
         "warmup_steps",
+        "warmup_epochs",
         "lr_decay",
+        "exclude_from_weight_decay",  # which variables decay: their values, not their shapes
+        "recipe",  # the recipe's values are flags of their own, compared one by one
         "global_batch_size",
         "allreduce_dtype",  # how the gradients are summed: not what they are
         "allreduce_bucket_bytes",
@@ -322,12 +326,16 @@ def check_same_run(
     )
 
 
-def build_optimizer(config: TrainConfig, plan: Plan) -> keras.optimizers.Optimizer:
-    """The run's optimizer, with the loss scaling its policy needs, in the model's strategy."""
+def build_optimizer(config: TrainConfig, plan: Plan, model: keras.Model) -> keras.optimizers.Optimizer:
+    """The run's optimizer, with the loss scaling its policy needs, in the model's strategy;
+    `model`'s normalization, bias and embedding variables keep no weight decay when the config
+    excludes them."""
+    optimization = config.optimization
+    excluded = optim.decay_exclusions(model) if optimization.exclude_from_weight_decay else None
     with plan.model_strategy.scope():
         # Weight decay is the optimizer's (decoupled, as in AdamW), never a loss term.
         return precision.wrap_optimizer(
-            optim.build(config.optimization.optimizer, plan.schedule, config.optimization.weight_decay),
+            optim.build(optimization.optimizer, plan.schedule, optimization.weight_decay, exclude=excluded),
             plan.policy,
             plan.loss_scale,
         )

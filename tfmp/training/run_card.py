@@ -15,8 +15,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import precision
+from tfmp import optim, precision
 from tfmp.distribute import allreduce
+from tfmp.models import recipes
 from tfmp.precision import fused_norm
 from tfmp.training import model_steps
 from tfmp.training.config import TrainConfig
@@ -68,7 +69,9 @@ def describe(config, plan, model, engine, start_step, shard_policies, model_dir,
         "per-replica batch": plan.per_replica_batch,
         "learning rate": f"{plan.learning_rate:g} ({optimization.optimizer}, base {optimization.learning_rate:g}, "
         f"scaling {optimization.lr_scaling} vs batch {optimization.reference_batch_size}, "
-        f"warmup {optimization.warmup_steps}, decay {optimization.lr_decay})",
+        f"warmup {plan.warmup_steps}, decay {optimization.lr_decay})",
+        **_weight_decay_row(config, model),
+        **recipe_rows(config),
         "steps": f"{plan.total_steps} ({plan.epochs} epoch(s) x {plan.steps_per_epoch}), from step {start_step}",
         "steps per execution": config.distribution.steps_per_execution,
         "xla": f"{'on' if plan.use_xla else 'off'} ({plan.xla_reason}; {engine.xla_parts})",
@@ -80,6 +83,27 @@ def describe(config, plan, model, engine, start_step, shard_policies, model_dir,
         "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}",
         "model dir": os.path.abspath(model_dir),
     }
+
+
+def _weight_decay_row(config: TrainConfig, model: keras.Model) -> dict:
+    weight_decay = config.optimization.weight_decay
+    if not weight_decay:
+        return {}
+    variables = model.trainable_variables
+    excluded = optim.decay_exclusions(model) if config.optimization.exclude_from_weight_decay else []
+    return {
+        "weight decay": f"{weight_decay:g} on {len(variables) - len(excluded)} of {len(variables)} variables"
+        + (" (none on normalization scales and offsets, biases, embeddings, tokens)" if excluded else "")
+    }
+
+
+def recipe_rows(config: TrainConfig) -> dict:
+    """The recipe, and every recipe knob's value with where it came from: the recipe, or the
+    flag (the user's value, or the flag's plain default where neither set it)."""
+    recipe = recipes.RECIPES.get(config.recipe, recipes.NONE)
+    values, taken = config.flat(), set(config.recipe_fields)
+    shown = [f"{knob}={values[knob]} ({'recipe' if knob in taken else 'flag'})" for knob in recipes.KNOBS]
+    return {"recipe": f"{recipe.name}: {recipe.sources}", "recipe values": ", ".join(shown)}
 
 
 def pipeline_rows(stages, workers: int) -> dict:
