@@ -29,11 +29,13 @@ HOROVOD_FUSION_BYTES = 64 * 2**20  # HOROVOD_FUSION_THRESHOLD's default then (do
 # 100.45 ms, 90th percentile 102.34 ms; for a normal, p90 = mean + 1.2816 sigma.
 A100_STEP_CV = (102.34 - 100.45) / 1.2816 / 100.45
 # CPU seconds per training example of NVIDIA's preprocessing (decode, random crop, flip,
-# resize to 224) on one core of this host's AMD EPYC (Zen 2: AVX2, no VAES, as DGX A100's
-# EPYC 7742), a 600x512 photograph (matplotlib's grace_hopper.jpg):
-# `python -m apps.scaling --measure_input`, 2026-12-06, median of 5 repeats of 256 examples.
-INPUT_CPU_SECONDS_PER_EXAMPLE = 1.74e-3
-DGX_A100_CORES = 128  # NVIDIA DGX A100 datasheet: dual AMD Rome 7742, 128 cores in all
+# resize to 224) on one core of this host's AMD EPYC (Zen 2 class: AVX2, SHA, no VAES, as the
+# DGX A100's EPYC 7742), a 512x600 photograph (matplotlib's grace_hopper.jpg):
+# `python -m apps.scaling --measure_input`, 2026-12-06 18:50 UTC, process CPU time, median of
+# 5 repeats of 512 examples (1.76-1.83 ms; load average 13 on the 2 cores).
+INPUT_CPU_SECONDS_PER_EXAMPLE = 1.79e-3
+# DGX A100: two 64-core AMD EPYC 7742 (hardwaretimes.com's report of NVIDIA's launch, 2020-05).
+DGX_A100_CORES = 128
 ANCHOR_TOLERANCE = 0.02  # issue 43: met within 0.02 of the published efficiency
 
 
