@@ -55,6 +55,8 @@ flags.DEFINE_float("input_core_seconds", None, "CPU core-seconds of one device's
 flags.DEFINE_float("compute_cores", None, "Cores one device's compute keeps busy (CPU workers).")
 flags.DEFINE_integer("host_cores", None, "Cores of a host its devices share (0: not modelled).")
 flags.DEFINE_integer("devices_per_host", None, "Devices sharing one host's cores.")
+flags.DEFINE_float("host_share", None, "Fraction of the host the workers' session gets (--measure_share).")
+flags.DEFINE_bool("measure_share", False, "Measure this session's share of a busy host's cores.")
 
 
 def _devices() -> list[int]:
@@ -316,6 +318,12 @@ def main(argv):
         return _measure_link()
     if FLAGS.measure_input:
         return _measure_input()
+    if FLAGS.measure_share:
+        share = scaling_measure.measure_host_share()
+        return print(
+            f"this session got {share['share']:.3f} of the host's {share['cores']} cores "
+            f"(one busy process pinned to each, {share['wall_seconds']:.1f} s): --host_share={share['share']:.2f}"
+        )
     devices, links = _devices(), _links()
     if FLAGS.step_seconds is not None:
         scaling.check(FLAGS.step_seconds, 1, scaling.LINKS["100gbe"], FLAGS.bucket_bytes, FLAGS.overlap)

@@ -138,6 +138,14 @@ def test_more_one_core_workers_than_cores_stretch_the_compute_by_the_busiest_cor
     }
     # Pinned round-robin: 3 or 4 workers put 2 on a core, 5 put 3.
     assert stretched == pytest.approx({1: 0.0, 2: 0.0, 3: 0.2, 4: 0.2, 5: 0.4})
+    # A busy host whose other sessions leave this one a quarter of its 2 cores (Linux autogroup
+    # scheduling shares it per session): 1 worker already runs at half speed, k workers at 1/(2k).
+    shared = scaling.Overheads(compute_cores=1, host_cores=2, devices_per_host=64, host_share=0.25)
+    efficiencies = [
+        scaling.predict(0.2, 0, n, NO_LATENCY, bucket_bytes=0, overheads=shared).efficiency
+        for n in (1, 2, 3, 4)
+    ]
+    assert efficiencies == pytest.approx([1.0, 1 / 2, 1 / 3, 1 / 4])
     gpu = scaling.Overheads(compute_cores=0, host_cores=128, devices_per_host=8)
     assert scaling.predict(0.2, 0, 8, NO_LATENCY, overheads=gpu).contention_seconds == 0.0
 
@@ -172,6 +180,7 @@ def test_anchor_efficiencies_are_the_published_throughput_ratios():
         ({"step_cv": math.nan}, "step_cv nan must be a finite number"),
         ({"host_cores": -2}, "host_cores -2 must be 0"),
         ({"devices_per_host": 0}, "devices_per_host 0 at least 1"),
+        ({"host_share": 0.0}, "host_share 0.0 must be a fraction of the host"),
     ],
 )
 def test_impossible_overheads_are_refused(changes, message):

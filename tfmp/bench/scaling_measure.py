@@ -9,6 +9,7 @@ example (the input-pipeline term), and the N-worker cells of an `apps.bench` rep
 
     python -m tfmp.launch --workers=2 -- python -m apps.scaling --measure_link
     python -m apps.scaling --measure_input                     # the input term's core-seconds
+    python -m apps.scaling --measure_share                     # this session's share of the host
     python -m apps.scaling --from_bench=bench.json --devices=2,3,4 --links=localhost
 
 The probes import TensorFlow inside the function, so that reading a report (and importing the
@@ -25,6 +26,43 @@ import time
 from tfmp.errors import UsageError
 
 OUTPUT_SIZE = 224  # ResNet-50's training crop
+
+
+def measure_host_share(seconds: float = 3.0) -> dict:
+    """The fraction of this host's cores this session gets when it asks for all of them: one
+    busy process pinned to each core for `seconds`, their CPU time over cores x wall time.
+
+    Linux's autogroup scheduler (/proc/sys/kernel/sched_autogroup_enabled) shares a busy host
+    equally between sessions, not processes, so G other busy sessions leave about 1 / (G + 1),
+    however many workers this session launches (`tfmp.distribute.scaling.Overheads.host_share`).
+    Pure Python: the processes only spin."""
+    import multiprocessing
+    import os
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [None]
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [context.Process(target=_spin, args=(core, seconds, results)) for core in cores]
+    started = time.perf_counter()
+    for process in processes:
+        process.start()
+    cpu = [results.get() for _ in processes]
+    for process in processes:
+        process.join()
+    wall = time.perf_counter() - started
+    return {"share": min(1.0, sum(cpu) / (len(cores) * seconds)), "cores": len(cores), "wall_seconds": wall}
+
+
+def _spin(core, seconds: float, results) -> None:
+    """Keep one core busy for `seconds` of wall time; report the CPU seconds it got."""
+    import os
+
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    started_cpu, started = time.process_time(), time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        pass
+    results.put(time.process_time() - started_cpu)
 
 
 def measure_preprocessing(jpeg: bytes, batches: int = 8, batch_size: int = 64, repeats: int = 5) -> dict:

@@ -162,7 +162,12 @@ class Overheads:
     - compute_cores: cores one device's compute keeps busy (a CPU worker: its threads; a GPU:
       0). k workers pinned round-robin to `host_cores` cores (tfmp.launch) stretch the compute
       by the busiest core's load, max(1, ceil(k x compute_cores / host_cores)).
-    - host_cores, devices_per_host: the host the last two share (0 cores: not modelled).
+    - host_share: the fraction of the host's cores the workers' session gets when it asks for
+      all of them (1: the host to itself). Linux's autogroup scheduler gives each session an
+      equal share of a busy host, however many processes it runs, so under G other busy
+      sessions all k workers together get host_cores / (G + 1) cores: each worker's compute is
+      stretched by k x compute_cores / (host_share x host_cores) when that is the larger.
+    - host_cores, devices_per_host: the host these share (0 cores: not modelled).
 
     The optimizer update and batch normalization's own arithmetic are not terms: under weak
     scaling every replica does the same per-step work as the single device whose measured step
@@ -175,6 +180,7 @@ class Overheads:
     compute_cores: float = 0.0
     host_cores: int = 0
     devices_per_host: int = 1
+    host_share: float = 1.0
 
 
 NO_OVERHEADS = Overheads()
@@ -287,14 +293,15 @@ def _overhead_terms(compute_seconds: float, devices: int, link: Link, overheads:
     one-device step) in seconds: the terms `Overheads` describes."""
     on_host = min(devices, max(1, overheads.devices_per_host))
     cores = overheads.host_cores
-    stretch = _busiest_core(on_host, overheads.compute_cores, cores)
-    one_stretch = _busiest_core(1, overheads.compute_cores, cores)
-    contention = compute_seconds * (stretch - one_stretch)
+    stretch = _core_stretch(on_host, overheads.compute_cores, cores, overheads.host_share)
+    one_stretch = _core_stretch(1, overheads.compute_cores, cores, overheads.host_share)
+    # compute_seconds was measured at one worker's stretch already.
+    contention = compute_seconds * (stretch / one_stretch - 1)
     sync = 0.0
     if devices > 1:
         latency = overheads.blocking_collectives * 2 * (devices - 1) * link.step_latency
         sync = overheads.sync_seconds + latency
-    sigma = overheads.step_cv * (compute_seconds + contention)
+    sigma = overheads.step_cv * compute_seconds  # the variation measured on the one-device step
     straggler = sigma * expected_max_standard_normal(devices)
     input_floor = on_host * overheads.input_core_seconds / cores if cores else 0.0
     one_input = overheads.input_core_seconds / cores if cores else 0.0
@@ -342,12 +349,16 @@ def fit_link(name: str, devices: int, sizes: list[int], seconds: list[float]) ->
     return Link(name, steps / devices / slope, intercept / steps, None, f"fitted to {len(sizes)} sizes")
 
 
-def _busiest_core(workers: int, compute_cores: float, host_cores: int) -> float:
-    """How many workers' compute the busiest core runs (at least 1): tfmp.launch pins workers to
-    cores round-robin, so 3 one-core workers on 2 cores put two on one core, whose step doubles."""
+def _core_stretch(workers: int, compute_cores: float, host_cores: int, host_share: float) -> float:
+    """How much slower each worker computes than on a core of its own (at least 1): the busiest
+    core's load (tfmp.launch pins workers to cores round-robin, so 3 one-core workers on 2 cores
+    put two on one core, whose step doubles), or the session's share of a busy host spread over
+    its workers, whichever is slower."""
     if not host_cores or not compute_cores:
         return 1.0
-    return max(1.0, float(math.ceil(workers * compute_cores / host_cores - 1e-9)))
+    busiest = float(math.ceil(workers * compute_cores / host_cores - 1e-9))
+    shared = workers * compute_cores / (host_share * host_cores)
+    return max(1.0, busiest, shared)
 
 
 def check_overheads(overheads: Overheads) -> None:
@@ -356,6 +367,10 @@ def check_overheads(overheads: Overheads) -> None:
         value = getattr(overheads, name)
         if not value >= 0 or math.isinf(value):
             raise UsageError(f"{name} {value} must be a finite number, 0 or more")
+    if not 0 < overheads.host_share <= 1:
+        raise UsageError(
+            f"host_share {overheads.host_share} must be a fraction of the host, above 0 and at most 1"
+        )
     if overheads.host_cores < 0 or overheads.devices_per_host < 1:
         raise UsageError(
             f"host_cores {overheads.host_cores} must be 0 (not modelled) or more, devices_per_host "
