@@ -154,8 +154,9 @@ class Overheads:
     - blocking_collectives: small all-reduces per step the compute must wait for (cross-replica
       batch norm: 2 per layer, forward and backward; a dynamic loss scale's finiteness check:
       1); each pays the ring's 2(N-1) step latencies.
-    - step_cv: coefficient of variation of one device's step time. A synchronous step ends with
-      the slowest of N devices: sigma x E[max of N standard normals] more than one device's.
+    - step_cv: coefficient of variation of the one-device step (sigma = step_cv x
+      compute_seconds). A synchronous step ends with the slowest of N devices: sigma x E[max of
+      N standard normals] more than one device's.
     - input_core_seconds: CPU core-seconds one device's input pipeline needs per step. The k
       devices of a host share its `host_cores`, so the input takes k x input_core_seconds /
       host_cores per step; it runs beside the step (prefetched) and stalls it only when longer.
