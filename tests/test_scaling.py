@@ -11,7 +11,8 @@ import sys
 import pytest
 from conftest import ROOT, run_python
 
-from tfmp.distribute import scaling
+from tfmp.bench import scaling_measure
+from tfmp.distribute import scaling, scaling_anchors
 from tfmp.errors import UsageError
 
 # 1 GB/s, 1 us per ring step: every term below is easy to compute by hand.
@@ -53,10 +54,14 @@ def test_buckets_hide_at_most_the_backward_pass_and_never_the_last_bucket():
     )
 
 
+@pytest.mark.parametrize("overheads", [scaling.NO_OVERHEADS, scaling_anchors.dgx_a100_overheads(256)])
 @pytest.mark.parametrize("link", sorted(scaling.LINKS))
-def test_efficiency_falls_as_devices_are_added(link):
+def test_efficiency_falls_as_devices_are_added(link, overheads):
     nbytes = scaling.gradient_bytes(25_557_032, "float32")
-    predictions = [scaling.predict(0.108, nbytes, n, scaling.LINKS[link]) for n in (1, 2, 8, 64, 256, 4096)]
+    devices = (1, 2, 8, 64, 256, 4096)
+    predictions = [
+        scaling.predict(0.108, nbytes, n, scaling.LINKS[link], overheads=overheads) for n in devices
+    ]
     for fewer, more in zip(predictions, predictions[1:]):
         assert more.efficiency < fewer.efficiency
         assert more.efficiency_overlapped <= fewer.efficiency_overlapped
@@ -80,6 +85,107 @@ def test_a_link_fitted_to_ring_times_gives_back_its_bandwidth_and_latency():
         fitted = scaling.fit_link("fitted", devices, sizes, times)
         assert fitted.bandwidth == pytest.approx(SIMPLE.bandwidth, rel=1e-9)
         assert fitted.step_latency == pytest.approx(SIMPLE.step_latency, rel=1e-6)
+
+
+def test_the_expected_maximum_of_n_standard_normals_is_exact_at_two_and_three_and_grows():
+    # E[max of 2] = 1/sqrt(pi); E[max of 3] = 3/(2 sqrt(pi)) (the closed forms).
+    assert scaling.expected_max_standard_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-9)
+    assert scaling.expected_max_standard_normal(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-9)
+    assert scaling.expected_max_standard_normal(8) == pytest.approx(1.4236, abs=1e-4)  # tables
+    assert scaling.expected_max_standard_normal(1) == 0.0
+    counts = [1, 2, 3, 4, 8, 16, 64, 256, 1024, 4096]
+    values = [scaling.expected_max_standard_normal(count) for count in counts]
+    assert all(fewer < more for fewer, more in zip(values, values[1:]))
+    assert values[-1] < math.sqrt(2 * math.log(4096))  # the known bound
+    with pytest.raises(UsageError, match="0 devices"):
+        scaling.expected_max_standard_normal(0)
+
+
+def test_stragglers_add_sigma_times_the_expected_maximum_and_nothing_at_one_device():
+    overheads = scaling.Overheads(step_cv=0.05)
+    for devices in (2, 8):
+        prediction = scaling.predict(0.1, 0, devices, NO_LATENCY, bucket_bytes=0, overheads=overheads)
+        expected = 0.05 * 0.1 * scaling.expected_max_standard_normal(devices)
+        assert prediction.straggler_seconds == pytest.approx(expected)
+        assert prediction.step_seconds == pytest.approx(0.1 + expected)
+    assert scaling.predict(0.1, 0, 1, NO_LATENCY, overheads=overheads).efficiency == 1.0
+
+
+def test_synchronisation_is_paid_per_step_and_blocking_collectives_per_ring_step():
+    overheads = scaling.Overheads(sync_seconds=0.002, blocking_collectives=10)
+    prediction = scaling.predict(0.1, 0, 4, SIMPLE, bucket_bytes=0, overheads=overheads)
+    # 10 small all-reduces, each 2(4-1) = 6 ring steps of 1 us, plus the empty gradient call's 6.
+    assert prediction.sync_seconds == pytest.approx(0.002 + 60e-6)
+    assert prediction.step_seconds == pytest.approx(0.1 + 0.002 + 60e-6 + 6e-6)
+    assert scaling.predict(0.1, 0, 1, SIMPLE, overheads=overheads).sync_seconds == 0.0
+
+
+def test_the_input_pipeline_stalls_a_step_only_when_the_shared_cores_cannot_keep_up():
+    # 8 devices share 16 cores; each device's input needs 1 core-second per step.
+    host = {"input_core_seconds": 1.0, "host_cores": 16, "devices_per_host": 8}
+    fast = scaling.predict(1.0, 0, 8, NO_LATENCY, bucket_bytes=0, overheads=scaling.Overheads(**host))
+    assert fast.input_stall_seconds == 0.0 and fast.efficiency == 1.0  # 8 x 1 / 16 = 0.5 s < 1 s
+    slow = scaling.predict(0.25, 0, 8, NO_LATENCY, bucket_bytes=0, overheads=scaling.Overheads(**host))
+    assert slow.step_seconds == pytest.approx(0.5) and slow.efficiency == pytest.approx(0.5)
+    assert slow.input_stall_seconds == pytest.approx(0.25)
+
+
+def test_more_one_core_workers_than_cores_stretch_the_compute_by_the_busiest_core():
+    overheads = scaling.Overheads(compute_cores=1, host_cores=2, devices_per_host=64)
+    stretched = {
+        n: scaling.predict(0.2, 0, n, NO_LATENCY, bucket_bytes=0, overheads=overheads).contention_seconds
+        for n in (1, 2, 3, 4, 5)
+    }
+    # Pinned round-robin: 3 or 4 workers put 2 on a core, 5 put 3.
+    assert stretched == pytest.approx({1: 0.0, 2: 0.0, 3: 0.2, 4: 0.2, 5: 0.4})
+    # A busy host whose other sessions leave this one a quarter of its 2 cores (Linux autogroup
+    # scheduling shares it per session): 1 worker already runs at half speed, k workers at 1/(2k).
+    shared = scaling.Overheads(compute_cores=1, host_cores=2, devices_per_host=64, host_share=0.25)
+    efficiencies = [
+        scaling.predict(0.2, 0, n, NO_LATENCY, bucket_bytes=0, overheads=shared).efficiency
+        for n in (1, 2, 3, 4)
+    ]
+    assert efficiencies == pytest.approx([1.0, 1 / 2, 1 / 3, 1 / 4])
+    gpu = scaling.Overheads(compute_cores=0, host_cores=128, devices_per_host=8)
+    assert scaling.predict(0.2, 0, 8, NO_LATENCY, overheads=gpu).contention_seconds == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(scaling_anchors.ANCHORS))
+def test_every_anchor_is_predicted_within_tolerance_or_its_residual_is_known(name):
+    """The residuals as docs/distributed.md quotes them: a change to a term shows up here."""
+    anchor = scaling_anchors.ANCHORS[name]
+    prediction = anchor.predict()
+    residual = prediction.efficiency_overlapped - anchor.published_efficiency
+    known = {"resnet50_a100_amp": 0.040, "resnet50_a100_tf32": 0.008}
+    assert residual == pytest.approx(known[name], abs=0.0015)
+    assert abs(residual) <= scaling_anchors.ANCHOR_TOLERANCE or name in MISSED_ANCHORS
+    # Every term is there and from its source, not zero by omission.
+    assert prediction.sync_seconds > 0 and prediction.straggler_seconds > 0
+    assert anchor.overheads.input_core_seconds > 0 and "DeepLearningExamples" in anchor.source
+
+
+MISSED_ANCHORS = {"resnet50_a100_amp"}  # printed with its residual (apps.scaling marks it *)
+
+
+def test_anchor_efficiencies_are_the_published_throughput_ratios():
+    amp, tf32 = scaling_anchors.ANCHORS["resnet50_a100_amp"], scaling_anchors.ANCHORS["resnet50_a100_tf32"]
+    assert amp.published_efficiency == pytest.approx(7.32 / 8, abs=0.001)  # the README's 7.32x
+    assert tf32.published_efficiency == pytest.approx(7.70 / 8, abs=0.001)  # and 7.70x
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"sync_seconds": -1.0}, "sync_seconds -1.0 must be a finite number"),
+        ({"step_cv": math.nan}, "step_cv nan must be a finite number"),
+        ({"host_cores": -2}, "host_cores -2 must be 0"),
+        ({"devices_per_host": 0}, "devices_per_host 0 at least 1"),
+        ({"host_share": 0.0}, "host_share 0.0 must be a fraction of the host"),
+    ],
+)
+def test_impossible_overheads_are_refused(changes, message):
+    with pytest.raises(UsageError, match=message):
+        scaling.check_overheads(scaling.Overheads(**changes))
 
 
 @pytest.mark.parametrize(
@@ -118,7 +224,7 @@ def _cell(workers, examples_per_sec, precision="float32", model="seed_cnn", **re
 
 def _report(tmp_path, cells):
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps({"schema_version": 3, "cells": cells}))
+    path.write_text(json.dumps({"schema_version": 3, "hardware": {"cpu_cores": 2}, "cells": cells}))
     return str(path)
 
 
@@ -127,24 +233,26 @@ def test_a_bench_report_gives_the_one_worker_step_and_the_measured_scaling(tmp_p
         tmp_path,
         [
             _cell(0, 2500.0),
-            _cell(1, 1600.0),
+            _cell(1, 1600.0, step_time_median=0.08, step_time_p90=0.08 * (1 + 1.2816 * 0.02)),
             _cell(2, 2880.0),
             _cell(1, 3200.0, "auto"),
             _cell(2, 5000.0, "auto"),
         ],
     )
-    cell = scaling.read_bench_report(path, precision="float32")
+    cell = scaling_measure.read_bench_report(path, precision="float32")
     assert (cell.model, cell.global_batch_size, cell.image_shape) == ("seed_cnn", 128, [32, 32, 3])
     assert cell.step_seconds == pytest.approx(128 / 1600)
     assert [(m.workers, m.efficiency) for m in cell.measured] == [(2, pytest.approx(2880 / (2 * 1600)))]
-    (auto,) = scaling.read_bench_report(path, precision="auto").measured
+    # The stragglers' variation from the 1-worker cell's host calls; the cores from the report.
+    assert (cell.step_cv, cell.host_cores) == (pytest.approx(0.02), 2)
+    (auto,) = scaling_measure.read_bench_report(path, precision="auto").measured
     assert (auto.efficiency, auto.allreduce_dtype, auto.gradient_bytes) == (
         pytest.approx(5000 / 6400),
         None,
         None,
     )
     with pytest.raises(UsageError, match="2 1-worker cells match.*seed_cnn auto, seed_cnn float32"):
-        scaling.read_bench_report(path)
+        scaling_measure.read_bench_report(path)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +269,7 @@ def test_a_bad_bench_report_is_one_usage_error(tmp_path, text, message):
     if text is not None:
         path.write_text(text)
     with pytest.raises(UsageError, match=message):
-        scaling.read_bench_report(str(path))
+        scaling_measure.read_bench_report(str(path))
 
 
 def test_importing_the_model_does_not_import_tensorflow():
@@ -218,6 +326,7 @@ def app_runs(tmp_path_factory):
     ]
     cases = [{"args": [arg.replace("FIXTURES", str(fixtures)) for arg in args]} for args, _ in APP_CASES]
     cases.append({"args": [arg.replace("FIXTURES", str(fixtures)) for arg in good]})
+    cases.append({"args": ["--devices=8", "--links=nvlink", "--allreduce_dtype=float32"]})
     spec = {"app": "scaling", "tree": str(tree), "logs": str(logs), "cases": cases}
     (base / "cases.json").write_text(json.dumps(spec))
     runner = os.path.join(ROOT, "tests", "bad_input_runner.py")
@@ -250,6 +359,40 @@ def test_app_predicts_from_a_bench_report_beside_its_measurement(app_runs):
     ) in out
     rows = [line.split() for line in out.splitlines() if line.startswith("seed_cnn  float32")]
     assert [row[-7] for row in rows] == ["2", "8"], out  # the devices column
+    # The measured 2-worker scaling beside the prediction (one core per worker, this report's 2
+    # cores, no step variation in the fixture) and its residual.
+    prediction = scaling.predict(
+        0.08,
+        713_620,
+        2,
+        scaling.LINKS["100gbe"],
+        overheads=scaling.Overheads(compute_cores=1, host_cores=0, devices_per_host=8),
+    )
+    residual = prediction.efficiency_overlapped - 0.9
+    assert (
+        f"predicted (100 Gb/s network, with overheads) {prediction.efficiency_overlapped:.3f}, "
+        f"residual {residual:+.3f}"
+    ) in out, out
+
+
+@pytest.mark.slow
+def test_app_prints_every_anchor_with_its_published_and_predicted_efficiency_and_residual(app_runs):
+    result = app_runs[0][len(APP_CASES) + 1]
+    assert result["returncode"] == 0, result["stderr"][-3000:]
+    out = result["stdout"]
+    assert "overheads: sync_seconds=0.0025," in out  # the DGX A100 run's terms, for resnet50
+    header = next(line for line in out.splitlines() if line.startswith("anchor "))
+    assert header.split()[:5] == ["anchor", "devices", "published", "predicted", "residual"], header
+    for anchor in scaling_anchors.ANCHORS.values():
+        prediction = anchor.predict()
+        residual = scaling_anchors.residual(anchor)
+        row = next(line for line in out.splitlines() if line.startswith(anchor.name + "  "))
+        published, predicted, printed = row[len(anchor.name) :].split()[1:4]
+        assert (published, predicted) == (
+            f"{anchor.published_efficiency:.3f}",
+            f"{prediction.efficiency_overlapped:.3f}",
+        )
+        assert printed == f"{residual:+.3f}", row
 
 
 if __name__ == "__main__":

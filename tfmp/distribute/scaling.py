@@ -5,6 +5,8 @@ scaling efficiency predicted from a measured single-device step, the gradient by
     nbytes = scaling.gradient_bytes(25_557_032, "bfloat16")            # ResNet-50, half precision
     prediction = scaling.predict(0.108, nbytes, devices=64, link=scaling.LINKS["400gbe"])
     prediction.efficiency, prediction.efficiency_overlapped
+    overheads = scaling.Overheads(sync_seconds=2.5e-3, step_cv=0.015)
+    scaling.predict(0.108, nbytes, 8, scaling.LINKS["nvlink"], overheads=overheads)
 
     python -m apps.scaling                                   # the table (docs/distributed.md)
     python -m apps.scaling --from_bench=bench-cpu-quick/bench.json --links=localhost
@@ -23,22 +25,26 @@ The model (weak scaling: every device keeps its batch, so its compute time stays
   the compute (2/3: it does about twice the forward pass's FLOPs), and a fraction `overlap` of
   it can hide communication; what does not fit, and at least the last bucket's all-reduce
   (the first layers' gradients, ready only when the backward pass ends), is added.
+- the overheads (`Overheads`, each zero at one device): synchronisation no compute hides, small
+  blocking collectives, the wait for the slowest of N devices (sigma x E[max of N standard
+  normals]), workers sharing a host's cores, and an input pipeline those cores cannot keep up
+  with. Without them (the default) a prediction is an upper bound.
 - scaling efficiency = single-device step / predicted step.
 
-What it leaves out, so a prediction is an upper bound: stragglers and the wait for the slowest
-device, the input pipeline, the optimizer update, contention of compute and communication for
-memory bandwidth (or, on a CPU, for the cores), and links below their peak.
+tfmp.distribute.scaling_anchors holds published N-device results with their run's terms, each
+value from a named source or a measurement here; apps.scaling prints each one's published and
+predicted efficiency and the residual. Still left out: contention of compute and communication for memory
+bandwidth, links below their datasheet peak, and framework costs no source quantifies.
 
+The measurements (TensorFlow) are in tfmp.bench.scaling_measure.
 Pure Python: importing it does not import TensorFlow.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import math
-import statistics
-import time
 
 from tfmp.errors import UsageError, unknown
 
@@ -138,17 +144,89 @@ PUBLISHED = {
 
 
 @dataclasses.dataclass(frozen=True)
+class Overheads:
+    """What a step of N synchronous replicas pays beyond its compute and the ring's bytes. Every
+    term is zero at one device, and all default to nothing: the model's upper bound.
+
+    - sync_seconds: per step, never hidden behind compute: the wait between the last gradient
+      being ready and its all-reduce starting (Horovod's background loop runs every cycle, so
+      on average half a cycle), a collective's launch and negotiation.
+    - blocking_collectives: small all-reduces per step the compute must wait for (cross-replica
+      batch norm: 2 per layer, forward and backward; a dynamic loss scale's finiteness check:
+      1); each pays the ring's 2(N-1) step latencies.
+    - step_cv: coefficient of variation of the one-device step (sigma = step_cv x
+      compute_seconds). A synchronous step ends with the slowest of N devices: sigma x E[max of
+      N standard normals] more than one device's.
+    - input_core_seconds: CPU core-seconds one device's input pipeline needs per step. The k
+      devices of a host share its `host_cores`, so the input takes k x input_core_seconds /
+      host_cores per step; it runs beside the step (prefetched) and stalls it only when longer.
+    - compute_cores: cores one device's compute keeps busy (a CPU worker: its threads; a GPU:
+      0). k workers pinned round-robin to `host_cores` cores (tfmp.launch) stretch the compute
+      by the busiest core's load, max(1, ceil(k x compute_cores / host_cores)).
+    - host_share: the fraction of the host's cores the workers' session gets when it asks for
+      all of them (1: the host to itself). Linux's autogroup scheduler gives each session an
+      equal share of a busy host, however many processes it runs, so under G other busy
+      sessions all k workers together get host_cores / (G + 1) cores: each worker's compute is
+      stretched by k x compute_cores / (host_share x host_cores) when that is the larger.
+    - host_cores, devices_per_host: the host these share (0 cores: not modelled).
+
+    The optimizer update and batch normalization's own arithmetic are not terms: under weak
+    scaling every replica does the same per-step work as the single device whose measured step
+    is `compute_seconds`, so it is in both sides of the efficiency already."""
+
+    sync_seconds: float = 0.0
+    blocking_collectives: int = 0
+    step_cv: float = 0.0
+    input_core_seconds: float = 0.0
+    compute_cores: float = 0.0
+    host_cores: int = 0
+    devices_per_host: int = 1
+    host_share: float = 1.0
+
+
+NO_OVERHEADS = Overheads()
+
+
+@dataclasses.dataclass(frozen=True)
 class Prediction:
     devices: int
     link: str
     gradient_bytes: int
     compute_seconds: float
     allreduce_seconds: float  # one call
-    step_seconds: float  # compute + one all-reduce after the backward pass
+    step_seconds: float  # compute + one all-reduce after the backward pass (+ overheads)
     efficiency: float
     buckets: int
-    step_seconds_overlapped: float  # buckets all-reduced while the backward pass runs
+    step_seconds_overlapped: float  # buckets all-reduced while the backward pass runs (+ overheads)
     efficiency_overlapped: float
+    exposed_allreduce_seconds: float = 0.0  # what the overlapped step pays for the all-reduce
+    contention_seconds: float = 0.0  # compute stretched by workers sharing a host's cores
+    sync_seconds: float = 0.0
+    straggler_seconds: float = 0.0
+    input_stall_seconds: float = 0.0  # of the overlapped step
+
+
+@functools.lru_cache(maxsize=256)
+def expected_max_standard_normal(count: int) -> float:
+    """E[max of `count` independent standard normals]: the integral of x n phi(x) Phi(x)^(n-1),
+    by Simpson's rule on [-9, 9] (4,000 intervals: 1e-9 of the exact 1/sqrt(pi) at n = 2). 0 for
+    one device; 1.4236 for 8, 2.8 for 256; it grows like sqrt(2 ln n)."""
+    if count < 1:
+        raise UsageError(f"{count} devices: give at least 1")
+    if count == 1:
+        return 0.0
+    low, high, intervals = -9.0, 9.0, 4000
+    width = (high - low) / intervals
+
+    def integrand(x: float) -> float:
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        below = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        return x * count * density * below ** (count - 1)
+
+    total = integrand(low) + integrand(high)
+    for index in range(1, intervals):
+        total += (4 if index % 2 else 2) * integrand(low + index * width)
+    return total * width / 3
 
 
 def gradient_bytes(parameters: int, dtype: str) -> int:
@@ -174,18 +252,24 @@ def predict(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     overlap: float = 1.0,
     backward_share: float = BACKWARD_SHARE,
+    overheads: Overheads = NO_OVERHEADS,
 ) -> Prediction:
-    """The step time and scaling efficiency of `devices` data-parallel replicas (weak scaling)."""
+    """The step time and scaling efficiency of `devices` data-parallel replicas (weak scaling):
+    the one-device step `compute_seconds` against the N-device step, which adds the ring
+    all-reduce (after the backward pass, or bucketed under it) and the `overheads`."""
     check(compute_seconds, devices, link, bucket_bytes, overlap)
     allreduce = ring_allreduce_seconds(nbytes, devices, link)
-    step = compute_seconds + allreduce
     buckets = max(1, math.ceil(nbytes / bucket_bytes)) if bucket_bytes else 1
     bucketed = ring_allreduce_seconds(nbytes, devices, link, calls=buckets)
     # Buckets fill from the last layer back, so the last one holds the first layers: the remainder.
     last_bucket = ring_allreduce_seconds(nbytes - (buckets - 1) * bucket_bytes, devices, link)
     hidden = overlap * backward_share * compute_seconds if buckets > 1 else 0.0
     exposed = max(bucketed - hidden, last_bucket) if buckets > 1 else bucketed
-    overlapped = compute_seconds + exposed
+    terms = _overhead_terms(compute_seconds, devices, link, overheads)
+    contention, sync, straggler, input_floor, baseline = terms
+    device_path = compute_seconds + contention + sync + straggler
+    step = max(device_path + allreduce, input_floor)
+    overlapped = max(device_path + exposed, input_floor)
     return Prediction(
         devices=devices,
         link=link.name,
@@ -193,11 +277,36 @@ def predict(
         compute_seconds=compute_seconds,
         allreduce_seconds=allreduce,
         step_seconds=step,
-        efficiency=compute_seconds / step,
+        efficiency=baseline / step,
         buckets=buckets,
         step_seconds_overlapped=overlapped,
-        efficiency_overlapped=compute_seconds / overlapped,
+        efficiency_overlapped=baseline / overlapped,
+        exposed_allreduce_seconds=exposed,
+        contention_seconds=contention,
+        sync_seconds=sync,
+        straggler_seconds=straggler,
+        input_stall_seconds=max(0.0, input_floor - device_path - exposed),
     )
+
+
+def _overhead_terms(compute_seconds: float, devices: int, link: Link, overheads: Overheads) -> tuple:
+    """(core contention, synchronisation, straggler wait, input floor of N devices, the
+    one-device step) in seconds: the terms `Overheads` describes."""
+    on_host = min(devices, max(1, overheads.devices_per_host))
+    cores = overheads.host_cores
+    stretch = _core_stretch(on_host, overheads.compute_cores, cores, overheads.host_share)
+    one_stretch = _core_stretch(1, overheads.compute_cores, cores, overheads.host_share)
+    # compute_seconds was measured at one worker's stretch already.
+    contention = compute_seconds * (stretch / one_stretch - 1)
+    sync = 0.0
+    if devices > 1:
+        latency = overheads.blocking_collectives * 2 * (devices - 1) * link.step_latency
+        sync = overheads.sync_seconds + latency
+    sigma = overheads.step_cv * compute_seconds  # the variation measured on the one-device step
+    straggler = sigma * expected_max_standard_normal(devices)
+    input_floor = on_host * overheads.input_core_seconds / cores if cores else 0.0
+    one_input = overheads.input_core_seconds / cores if cores else 0.0
+    return contention, sync, straggler, input_floor, max(compute_seconds, one_input)
 
 
 def check(compute_seconds: float, devices: int, link: Link, bucket_bytes: int, overlap: float) -> None:
@@ -241,121 +350,30 @@ def fit_link(name: str, devices: int, sizes: list[int], seconds: list[float]) ->
     return Link(name, steps / devices / slope, intercept / steps, None, f"fitted to {len(sizes)} sizes")
 
 
-def measure_allreduce(strategy, calls: list[list[int]], repeats: int = 5) -> list[float]:
-    """Median seconds of each all-reduce call (SUM over every replica of `strategy`): a call is a
-    list of float32 tensor sizes in elements, summed in one `all_reduce` as a model's gradients
-    are. Each is timed `repeats` times after one untimed call. Every worker of a multi-worker
-    strategy runs it at once (`python -m tfmp.launch --workers=2 -- python -m apps.scaling
-    --measure_link`)."""
-    # TensorFlow only here, so that importing this module (the model, its table) stays cheap.
-    import tensorflow as tf
-
-    medians = []
-    for sizes in calls:
-        with strategy.scope():
-            tensors = [tf.Variable(tf.ones([size], tf.float32), trainable=False) for size in sizes]
-
-        @tf.function
-        def reduce_once(tensors=tensors):
-            def replica_fn():
-                values = [tf.identity(tensor) for tensor in tensors]
-                return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, values)
-
-            summed = strategy.run(replica_fn)
-            # One number back to the host, not the tensors: the time is the collective's.
-            return strategy.experimental_local_results(summed[0])[0][0]
-
-        reduce_once().numpy()
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            reduce_once().numpy()
-            times.append(time.perf_counter() - started)
-        medians.append(statistics.median(times))
-    return medians
+def _core_stretch(workers: int, compute_cores: float, host_cores: int, host_share: float) -> float:
+    """How much slower each worker computes than on a core of its own (at least 1): the busiest
+    core's load (tfmp.launch pins workers to cores round-robin, so 3 one-core workers on 2 cores
+    put two on one core, whose step doubles), or the session's share of a busy host spread over
+    its workers, whichever is slower."""
+    if not host_cores or not compute_cores:
+        return 1.0
+    busiest = float(math.ceil(workers * compute_cores / host_cores - 1e-9))
+    shared = workers * compute_cores / (host_share * host_cores)
+    return max(1.0, busiest, shared)
 
 
-@dataclasses.dataclass(frozen=True)
-class BenchCell:
-    """What one bench report says about a model's 1-worker step and its 2-worker scaling."""
-
-    model: str
-    precision: str
-    policy: str
-    data: str
-    image_size: int
-    image_shape: list
-    global_batch_size: int
-    examples_per_sec: float
-    step_seconds: float  # global batch / examples/s of the 1-worker cell
-    measured: list  # one Measured per N-worker cell of the same settings
-
-
-@dataclasses.dataclass(frozen=True)
-class Measured:
-    """An N-worker cell of a bench report, beside which a prediction is printed."""
-
-    workers: int
-    efficiency: float  # its examples/s / (N x the 1-worker cell's)
-    allreduce_dtype: str | None  # None: a report from before the bench recorded it
-    gradient_bytes: int | None  # sent per replica per step
-    collective_seconds: float | None  # that all-reduce alone, per step
-
-
-_SETTINGS = ("model", "precision", "xla", "tf32", "fused_norm", "data", "image_size", "steps_per_execution")
-
-
-def read_bench_report(path: str, model: str | None = None, precision: str | None = None) -> BenchCell:
-    """The 1-worker engine cell of `model` in `precision` (either may be left out when the report
-    has only one) of an `apps.bench` report, with the scaling efficiency of its N-worker cells
-    of the same settings; UsageError for a file that is missing, not a report, or ambiguous."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            cells = [cell for cell in json.load(file)["cells"] if cell["kind"] == "engine"]
-        single = [
-            cell
-            for cell in cells
-            if cell["workers"] == 1
-            and model in (None, cell["model"])
-            and precision in (None, cell["precision"])
-        ]
-        found = sorted({(cell["model"], cell["precision"]) for cell in single})
-        if len(found) == 1:
-            return _bench_cell(single[0], cells)
-        choices = sorted({f"{cell['model']} {cell['precision']}" for cell in cells if cell["workers"] == 1})
-    except OSError as error:
-        raise UsageError(f"--from_bench={path}: {error.strerror}; give an apps.bench bench.json") from None
-    except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
-        raise UsageError(f"--from_bench={path} is not an apps.bench report (bench.json)") from None
-    raise UsageError(
-        f"--from_bench={path}: {len(found)} 1-worker cells match --model={model} --bench_precision="
-        f"{precision}; its 1-worker cells: {', '.join(choices) or 'none (run apps.bench --workers=1,2)'}"
-    )
-
-
-def _bench_cell(cell: dict, cells: list[dict]) -> BenchCell:
-    result = cell["result"]
-    settings = [cell.get(name) for name in _SETTINGS]
-    measured = [
-        Measured(
-            workers=other["workers"],
-            efficiency=other["result"]["examples_per_sec"] / (other["workers"] * result["examples_per_sec"]),
-            allreduce_dtype=other["result"].get("allreduce_dtype"),
-            gradient_bytes=other["result"].get("gradient_bytes_per_step"),
-            collective_seconds=other["result"].get("collective_seconds_per_step"),
+def check_overheads(overheads: Overheads) -> None:
+    """UsageError for an overhead no step can have: a negative time, share or count."""
+    for name in ("sync_seconds", "blocking_collectives", "step_cv", "input_core_seconds", "compute_cores"):
+        value = getattr(overheads, name)
+        if not value >= 0 or math.isinf(value):
+            raise UsageError(f"{name} {value} must be a finite number, 0 or more")
+    if not 0 < overheads.host_share <= 1:
+        raise UsageError(
+            f"host_share {overheads.host_share} must be a fraction of the host, above 0 and at most 1"
         )
-        for other in cells
-        if other["workers"] > 1 and [other.get(name) for name in _SETTINGS] == settings
-    ]
-    return BenchCell(
-        model=cell["model"],
-        precision=cell["precision"],
-        policy=result["policy"],
-        data=cell["data"],
-        image_size=cell["image_size"],
-        image_shape=list(result["image_shape"]),
-        global_batch_size=cell["global_batch_size"],
-        examples_per_sec=result["examples_per_sec"],
-        step_seconds=cell["global_batch_size"] / result["examples_per_sec"],
-        measured=measured,
-    )
+    if overheads.host_cores < 0 or overheads.devices_per_host < 1:
+        raise UsageError(
+            f"host_cores {overheads.host_cores} must be 0 (not modelled) or more, devices_per_host "
+            f"{overheads.devices_per_host} at least 1"
+        )
