@@ -69,11 +69,11 @@ def test_warmup_steps_override_the_recipes_warmup_epochs_and_epochs_fit_short_ru
     assert "warmup_epochs" not in config.recipe_fields  # --warmup_steps=0 means no warmup
     config = _app_config("--model=vit_tiny", "--steps=20", "--cpu_replicas=0")
     plan = make_plan(config, TASK)
-    assert config.optimization.warmup_epochs == 1.0 and plan.warmup_steps == 20  # 187 cut to the run
+    assert config.optimization.warmup_epochs == 0.3 and plan.warmup_steps == 20  # 56 cut to the run
     plan = make_plan(
         dataclasses.replace(config, optimization=dataclasses.replace(config.optimization, steps=0)), TASK
     )
-    assert plan.warmup_steps == 12_000 // 64  # one epoch of the built-in shapes
+    assert plan.warmup_steps == round(0.3 * (12_000 // 64))  # 0.3 of an epoch of the built-in shapes
 
 
 def test_run_card_shows_each_recipe_value_with_its_source():
@@ -140,3 +140,28 @@ def test_every_piece_trains_on_two_replicas_under_every_precision_and_xla(mirror
         copies = [copy.numpy() for copy in mirrored.experimental_local_results(variable.value)]
         for copy in copies[1:]:
             np.testing.assert_array_equal(copy, copies[0], err_msg=variable.path)
+
+
+def test_recipe_none_is_the_apps_flag_defaults():
+    values = _app_config("--recipe=none").flat()
+    assert {knob: values[knob] for knob in recipes.KNOBS} == recipes.NONE_VALUES
+
+
+def test_a_recipes_optimizer_for_any_keras_model_scales_its_rate_and_spares_norms():
+    """recipes.optimizer on a model outside the registry: the learning rate scaled to the batch,
+    and one step of zero gradients decays the kernels only (norms, biases, tokens kept)."""
+    model = vit((8, 8, 3), 3, patch_size=4, width=8, depth=1, heads=2, name="mine")
+    optimizer = optim.for_recipe(recipes.VIT_TINY, model, global_batch_size=32, steps_per_epoch=10, epochs=2)
+    schedule = optimizer.get_config()["learning_rate"]["config"]
+    assert schedule["peak"] == pytest.approx(5e-4 * 32 / 64)
+    assert (schedule["total_steps"], schedule["warmup_steps"], schedule["decay"]) == (20, 3, "cosine")
+    before = [variable.numpy() for variable in model.trainable_variables]
+    zeros = [np.zeros(variable.shape, "float32") for variable in model.trainable_variables]
+    optimizer.apply(zeros, model.trainable_variables)
+    excluded = {id(variable) for variable in optim.decay_exclusions(model)}
+    assert excluded and len(excluded) < len(model.trainable_variables)
+    # Decay shrinks what it reaches (zeros stay zeros either way: those prove nothing).
+    for variable, start in zip(model.trainable_variables, before):
+        if np.any(start):
+            decayed = not np.array_equal(variable.numpy(), start)
+            assert decayed == (id(variable) not in excluded), variable.path

@@ -29,7 +29,9 @@ import re
 import keras
 from keras import ops
 
+from tfmp.distribute.strategies import scale_learning_rate
 from tfmp.errors import UsageError, unknown
+from tfmp.models import recipes
 from tfmp.models.vit import ClassToken, PositionEmbedding
 
 DECAYS = ("constant", "cosine")
@@ -216,3 +218,33 @@ def _sublayers(layer) -> list:
             if isinstance(item, keras.layers.Layer):
                 found.append(item)
     return found
+
+
+def for_recipe(
+    recipe: recipes.Recipe,
+    model: keras.Model,
+    *,
+    global_batch_size: int,
+    steps_per_epoch: int,
+    epochs: int | None = None,
+) -> keras.optimizers.Optimizer:
+    """`recipe`'s optimizer for any Keras model, to compile it for `tfmp.fit` (or Keras' fit):
+    its learning rate scaled to `global_batch_size`, its warmup and decay over `epochs` (default:
+    the recipe's) of `steps_per_epoch` steps, its weight decay with its exclusions on `model`.
+
+        optimizer = optim.for_recipe(recipes.RECIPES["vit_tiny"], model, global_batch_size=64,
+                                     steps_per_epoch=187)
+        model.compile(optimizer, SmoothedSparseCrossentropy(0.1), metrics=["accuracy"])
+        tfmp.fit(model, train, epochs=6, steps_per_epoch=187)
+    """
+    plain = recipes.NONE_VALUES | dict(recipe.values)
+    recipes.check(plain)
+    epochs = epochs or plain["epochs"]
+    total_steps = epochs * steps_per_epoch
+    learning_rate = scale_learning_rate(
+        plain["learning_rate"], global_batch_size, plain["reference_batch_size"], plain["lr_scaling"]
+    )
+    warmup = min(total_steps, round(plain["warmup_epochs"] * steps_per_epoch))
+    rate_schedule = schedule(learning_rate, total_steps, warmup, plain["lr_decay"])
+    excluded = decay_exclusions(model) if plain["exclude_from_weight_decay"] else None
+    return build(plain["optimizer"], rate_schedule, plain["weight_decay"], exclude=excluded)
