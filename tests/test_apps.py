@@ -71,6 +71,32 @@ def test_apps_on_mocked_tfds(tmp_path, app, dataset, extra):
     assert card["dataset"].startswith(dataset)
 
 
+@pytest.mark.slow
+def test_vit_b16_config_and_its_deit_recipe_run_a_few_steps_on_a_cpu(tmp_path):
+    """configs/vit_b16_imagenet_8gpu.cfg with DeiT's recipe (RandAugment, Mixup/CutMix, stochastic
+    depth, weight decay without norms/biases/tokens), on the built-in data at 32x32 (2x2 patches
+    + the class token) and a CPU's batch: it builds and trains."""
+    result = run_python(
+        [
+            "-m",
+            "apps.classify",
+            "--flagfile=configs/vit_b16_imagenet_8gpu.cfg",
+            "--dataset=shapes",
+            "--image_size=32",
+            "--global_batch_size=8",
+            "--steps=2",
+            "--xla=off",  # XLA's compile of 12 blocks costs more than the 2 steps on a CPU
+            "--steps_per_execution=1",
+            f"--model_dir={tmp_path}",
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 steps (2 applied)" in _summary(result.stdout)
+    card = json.load(open(tmp_path / "run_card.json"))
+    assert card["recipe"].startswith("deit: ") and "mixup_alpha=0.8 (recipe)" in card["recipe values"]
+    assert "(none on normalization scales and offsets, biases, embeddings, tokens)" in card["weight decay"]
+
+
 # User errors (bad flags, combinations, TF_CONFIG): tests/test_bad_inputs.py's table.
 
 
