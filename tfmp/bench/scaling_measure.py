@@ -12,16 +12,20 @@ example (the input-pipeline term), and the N-worker cells of an `apps.bench` rep
     python -m apps.scaling --measure_share                     # this session's share of the host
     python -m apps.scaling --from_bench=bench.json --devices=2,3,4 --links=localhost
 
-The probes import TensorFlow inside the function, so that reading a report (and importing the
-model) stays cheap.
+The model itself (`tfmp.distribute.scaling`) stays pure Python; this module, which measures,
+imports TensorFlow.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import os
 import statistics
 import time
+
+import tensorflow as tf
 
 from tfmp.errors import UsageError
 
@@ -36,9 +40,6 @@ def measure_host_share(seconds: float = 3.0) -> dict:
     equally between sessions, not processes, so G other busy sessions leave about 1 / (G + 1),
     however many workers this session launches (`tfmp.distribute.scaling.Overheads.host_share`).
     Pure Python: the processes only spin."""
-    import multiprocessing
-    import os
-
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [None]
     context = multiprocessing.get_context("fork")
     results = context.Queue()
@@ -55,8 +56,6 @@ def measure_host_share(seconds: float = 3.0) -> dict:
 
 def _spin(core, seconds: float, results) -> None:
     """Keep one core busy for `seconds` of wall time; report the CPU seconds it got."""
-    import os
-
     if core is not None:
         os.sched_setaffinity(0, {core})
     started_cpu, started = time.process_time(), time.perf_counter()
@@ -77,8 +76,6 @@ def measure_preprocessing(jpeg: bytes, batches: int = 8, batch_size: int = 64, r
     the figure to use on a shared host: other processes stretch wall time, not this process's
     CPU time."""
     # TensorFlow only here: importing this module to read a report stays cheap.
-    import tensorflow as tf
-
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
@@ -129,8 +126,6 @@ def measure_allreduce(strategy, calls: list[list[int]], repeats: int = 5) -> lis
     strategy runs it at once (`python -m tfmp.launch --workers=2 -- python -m apps.scaling
     --measure_link`)."""
     # TensorFlow only here, so that importing this module (the model, its table) stays cheap.
-    import tensorflow as tf
-
     medians = []
     for sizes in calls:
         with strategy.scope():
