@@ -35,12 +35,17 @@ MASKS = {
 }
 # Each side rounds the probabilities, the logits' gradient, the einsum's and the projection's
 # outputs in the compute dtype: 4 roundings each, and tfmp's gradient reads the probabilities
-# rounded once more (Keras reads its float32 copy).
-ROUNDINGS = 2 * 4 + 1
+# rounded once more (Keras reads its float32 copy). The output alone has the same 4 roundings
+# per side: over 40 random weight draws its error reached 3.3 single-rounding tolerances
+# (mixed_float16, padding mask), so 2 roundings failed about one run in a few dozen.
+FORWARD_ROUNDINGS = 2 * 4
+ROUNDINGS = FORWARD_ROUNDINGS + 1
 
 
 def _layer_pair(policy):
-    """A fused MultiHeadAttention and a Keras copy with the same random weights."""
+    """A fused MultiHeadAttention and a Keras copy with the same random weights (seeded, so a
+    failure reproduces; the tolerances hold for any draw)."""
+    keras.utils.set_random_seed(0)
     layers = [
         keras.layers.MultiHeadAttention(HEADS, WIDTH // HEADS, dtype=policy, name=f"mha{i}") for i in range(2)
     ]
@@ -98,7 +103,7 @@ def test_attention_matches_keras(policy, masks, xla):
     names = [w.path for w in _weights(fused)]
     assert y.dtype == y_ref.dtype == compute and grads[0].dtype == grads_ref[0].dtype == compute
     terms = keys * WIDTH  # the most terms an output or input gradient sums
-    assert_close(y, y_ref, compute, terms=terms, what="output")
+    assert_close(y, y_ref, compute, terms=terms, roundings=FORWARD_ROUNDINGS, what="output")
     for mine, theirs, name in zip(grads, grads_ref, ["query", "value", *names]):
         assert_close(mine, theirs, compute, terms=BATCH * terms, roundings=ROUNDINGS, what=f"{name} gradient")
 

@@ -188,7 +188,11 @@ def _forward(logits, mask=None, scale=1.0, causal=False):
 def _backward(probs, upstream, mask=None, scale=1.0, causal=False):
     p = tf.cast(probs, tf.float32)
     dp = tf.cast(upstream, tf.float32)
-    d_logits = scale * p * (dp - tf.reduce_sum(dp * p, -1, keepdims=True))
+    # The rounded probabilities no longer sum to exactly 1; dividing by their sum keeps each
+    # row's gradient summing to zero, as the softmax's does (a shift common to a row's logits
+    # changes nothing), so gradients that cancel across keys still cancel.
+    mean_dp = tf.reduce_sum(dp * p, -1, keepdims=True) / tf.reduce_sum(p, -1, keepdims=True)
+    d_logits = scale * p * (dp - mean_dp)
     keep = _keep(probs, mask, causal)
     if keep is not None:  # a row masked everywhere has uniform probabilities: Keras' where zeroes it
         d_logits = tf.where(keep, d_logits, 0.0)
