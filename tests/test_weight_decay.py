@@ -207,3 +207,14 @@ def test_exclusions_must_be_variables_registered_before_the_optimizer_is_built()
     with pytest.raises(UsageError, match="before the optimizer is built") as raised:
         optim.exclude_from_decay(optimizer, optim.decay_exclusions(model))
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adam"])
+def test_no_weight_decay_means_none(name):
+    """0 is no decay for every optimizer: AdamW too (Keras' AdamW refuses None; tfmp once
+    replaced 0 with 1e-4 there, a decay nobody asked for)."""
+    model = tiny_vit()
+    optimizer = optim.build(name, LEARNING_RATE, 0.0)
+    optimizer.apply(ones_and_zero_gradients(model), model.trainable_variables)
+    for variable in model.trainable_variables:
+        np.testing.assert_array_equal(variable.numpy(), np.ones(variable.shape, np.float32), variable.path)

@@ -105,8 +105,9 @@ OPTIMIZERS = {
     "adam": lambda learning_rate, weight_decay: keras.optimizers.Adam(
         learning_rate, weight_decay=weight_decay
     ),
+    # Keras' AdamW refuses None: no decay is 0.0 (a plain Adam step), never a decay nobody asked for.
     "adamw": lambda learning_rate, weight_decay: keras.optimizers.AdamW(
-        learning_rate, weight_decay=weight_decay or 1e-4
+        learning_rate, weight_decay=weight_decay or 0.0
     ),
     "rmsprop": lambda learning_rate, weight_decay: keras.optimizers.RMSprop(
         learning_rate, weight_decay=weight_decay

@@ -6,7 +6,7 @@
 Runs offline on a CPU: keras-hub's `ViTBackbone` at vit_tiny's sizes (4x4 patches of the built-in
 32x32 shapes, 6 layers of width 192, 3 heads, MLP 768, class token) under a softmax
 `ViTImageClassifier`, built from its constructor (no weights downloaded), trained twice from the
-same seed on the same stream of the built-in `shapes` (flips and crops, as the recipe says):
+same seed on the same stream of the built-in `shapes` (augmented only if the recipe says so):
 
 - keras-hub's defaults: `classifier.compile()` (Adam 5e-5, constant; sparse cross-entropy);
 - vit_tiny's recipe (`tfmp.models.recipes`): `tfmp.optim.for_recipe(...)` (AdamW, warmup, cosine,
@@ -48,7 +48,8 @@ def classifier(seed: int) -> keras.Model:
 
 def train(model: keras.Model, epochs: int, seed: int) -> float:
     steps_per_epoch = data.SHAPES_TRAIN_EXAMPLES // FLAGS.global_batch_size
-    train_stream, _ = data.load("shapes", "train", FLAGS.global_batch_size, augment=True, seed=seed)
+    augment = bool(recipes.VIT_TINY.values.get("augment", False))
+    train_stream, _ = data.load("shapes", "train", FLAGS.global_batch_size, augment=augment, seed=seed)
     # 50 divides the 2,000 eval examples: no padding rows, so every row counts.
     eval_stream, _ = data.load("shapes", "eval", 50, training=False)
     tfmp.fit(model, train_stream, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0, seed=seed)
