@@ -64,9 +64,9 @@ APP_CASES = [
         "classify",
         ["--mixup_alpha=-0.2"],
         {},
-        "--mixup_alpha=-0.2 must be 0 (off) or a positive Beta parameter",
+        "--mixup_alpha=-0.2 must be a finite number >= 0 (0 turns it off; DeiT: mixup 0.8, cutmix 1.0)",
     ),
-    ("classify", ["--cutmix_alpha=nan"], {}, "--cutmix_alpha=nan must be 0 (off)"),
+    ("classify", ["--cutmix_alpha=nan"], {}, "--cutmix_alpha=nan must be a finite number >= 0"),
     (
         "classify",
         ["--model=vit_tiny", "--stochastic_depth=1.0"],
@@ -84,9 +84,9 @@ APP_CASES = [
         "classify",
         ["--randaugment_ops=2", "--randaugment_magnitude=12"],
         {},
-        "--randaugment_magnitude=12.0 must be from 0 to 10",
+        "--randaugment_magnitude=12.0 must be in [0, 10], e.g. 9 (DeiT)",
     ),
-    ("classify", ["--randaugment_ops=-1"], {}, "--randaugment_ops=-1 must be from 0 (off) to 14"),
+    ("classify", ["--randaugment_ops=-1"], {}, "--randaugment_ops=-1 must be an integer in [0, 14] ops per image (0: off), e.g. 2"),
     (
         "detect",
         ["--mixup_alpha=0.8"],

@@ -121,20 +121,20 @@ def test_one_op_a_key_draws_from_the_whole_list():
 @pytest.mark.parametrize(
     "num_ops, magnitude, message",
     [
-        (2, 12, "randaugment magnitude 12 must be in [0, 10]"),
-        (2, -0.5, "randaugment magnitude -0.5 must be in [0, 10]"),
-        (2, float("nan"), "randaugment magnitude nan must be in [0, 10]"),
-        (2, "9", "randaugment magnitude '9' must be in [0, 10]"),
-        (-1, 9, "randaugment num_ops -1 must be an integer in [0, 14]"),
-        (15, 9, "randaugment num_ops 15 must be an integer in [0, 14]"),
-        (1.5, 9, "randaugment num_ops 1.5 must be an integer in [0, 14]"),
-        (True, 9, "randaugment num_ops True must be an integer in [0, 14]"),
+        (2, 12, "randaugment_magnitude 12 must be in [0, 10]"),
+        (2, -0.5, "randaugment_magnitude -0.5 must be in [0, 10]"),
+        (2, float("nan"), "randaugment_magnitude nan must be in [0, 10]"),
+        (2, "9", "randaugment_magnitude '9' must be in [0, 10]"),
+        (-1, 9, "randaugment_ops -1 must be an integer in [0, 14]"),
+        (15, 9, "randaugment_ops 15 must be an integer in [0, 14]"),
+        (1.5, 9, "randaugment_ops 1.5 must be an integer in [0, 14]"),
+        (True, 9, "randaugment_ops True must be an integer in [0, 14]"),
     ],
 )
 def test_check_refuses_bad_settings_in_one_line(num_ops, magnitude, message):
     with pytest.raises(UsageError) as error:
         randaugment.check(num_ops, magnitude)
-    assert str(error.value) == message
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
     with pytest.raises(UsageError):
         randaugment.rand_augment(_image(3), tf.constant([1, 2]), num_ops, magnitude)
 

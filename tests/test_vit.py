@@ -175,8 +175,8 @@ def test_vit_b16_has_the_published_size():
         (lambda: tiny_vit(positions=1), "positions >= 2"),
         (lambda: tiny_vit(depth=0), "positive integer depth, got 0"),
         (lambda: tiny_vit(dropout=1.0), "dropout in [0, 1), got 1.0"),
-        (lambda: tiny_vit(stochastic_depth=1.0), "stochastic depth rate 1.0 must be in [0, 1)"),
-        (lambda: tiny_vit(stochastic_depth=-0.1), "stochastic depth rate -0.1 must be in [0, 1)"),
+        (lambda: tiny_vit(stochastic_depth=1.0), "stochastic_depth 1.0 must be in [0, 1)"),
+        (lambda: tiny_vit(stochastic_depth=-0.1), "stochastic_depth -0.1 must be in [0, 1)"),
     ],
 )
 def test_bad_sizes_are_one_line_usage_errors(call, message):

@@ -16,6 +16,12 @@ def unknown(kind: str, value: str, choices) -> UsageError:
     return UsageError(f"unknown {kind} {value!r}; choose one of: {', '.join(sorted(choices))}")
 
 
+def spelt(name: str, value, as_flag: bool) -> str:
+    """How a message names a value: `--name=value` for a flag's, `name value` (repr) for an
+    argument's, so a library check and an app's flag share one message."""
+    return f"--{name}={value}" if as_flag else f"{name} {value!r}"
+
+
 class TrainingDiverged(RuntimeError):
     """Training stopped on non-finite numbers (exit status 3): the loss or gradients where no
     loss scaler can skip the step, or float16 loss scaling that keeps skipping (its scale below 1,

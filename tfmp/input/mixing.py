@@ -24,17 +24,26 @@ import numbers
 
 import tensorflow as tf
 
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, spelt
 
 
 def check(
-    mixup_alpha: float, cutmix_alpha: float, *, switch_prob: float = 0.5, label_smoothing: float = 0.0
+    mixup_alpha: float,
+    cutmix_alpha: float,
+    *,
+    switch_prob: float = 0.5,
+    label_smoothing: float = 0.0,
+    as_flags: bool = False,
 ) -> None:
     """Raises `UsageError` (one line naming the value) for an alpha that is negative, NaN or
-    infinite (0 is off), `switch_prob` outside [0, 1] or `label_smoothing` outside [0, 1)."""
+    infinite (0 is off), `switch_prob` outside [0, 1] or `label_smoothing` outside [0, 1);
+    `as_flags` names the alphas as the apps' flags (--mixup_alpha=...)."""
     for name, alpha in (("mixup_alpha", mixup_alpha), ("cutmix_alpha", cutmix_alpha)):
         if not _is_number(alpha) or not math.isfinite(alpha) or alpha < 0:
-            raise UsageError(f"{name} {alpha!r} must be a finite number >= 0 (0 turns it off)")
+            raise UsageError(
+                f"{spelt(name, alpha, as_flags)} must be a finite number >= 0 (0 turns it off; "
+                "DeiT: mixup 0.8, cutmix 1.0)"
+            )
     if not _is_number(switch_prob) or not 0 <= switch_prob <= 1:
         raise UsageError(f"mixing switch_prob {switch_prob!r} must be in [0, 1] (the chance of CutMix)")
     if not _is_number(label_smoothing) or not 0 <= label_smoothing < 1:

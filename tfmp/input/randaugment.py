@@ -32,7 +32,7 @@ import numbers
 
 import tensorflow as tf
 
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, spelt
 
 MAX_MAGNITUDE = 10.0
 FILL_VALUE = 0.5  # grey where rotate, shear or translate uncover the canvas
@@ -40,16 +40,19 @@ MAX_ROTATE_DEGREES, MAX_SHEAR, MAX_TRANSLATE = 30.0, 0.3, 0.45
 MAX_ENHANCE = 0.9  # color/contrast/brightness/sharpness factor 1 +- 0.9 at magnitude 10
 
 
-def check(num_ops: int, magnitude: float) -> None:
-    """Raises `UsageError` (one line) unless 0 <= num_ops <= len(OPS) and 0 <= magnitude <= 10."""
+def check(num_ops: int, magnitude: float, *, as_flags: bool = False) -> None:
+    """Raises `UsageError` (one line) unless 0 <= num_ops <= len(OPS) and 0 <= magnitude <= 10;
+    `as_flags` names the values as the apps' flags (--randaugment_ops=...)."""
     if isinstance(num_ops, bool) or not isinstance(num_ops, numbers.Integral) or not 0 <= num_ops <= len(OPS):
-        raise UsageError(f"randaugment num_ops {num_ops!r} must be an integer in [0, {len(OPS)}]")
+        name = spelt("randaugment_ops", num_ops, as_flags)
+        raise UsageError(f"{name} must be an integer in [0, {len(OPS)}] ops per image (0: off), e.g. 2")
     if (
         isinstance(magnitude, bool)
         or not isinstance(magnitude, numbers.Real)
         or not 0 <= magnitude <= MAX_MAGNITUDE
     ):
-        raise UsageError(f"randaugment magnitude {magnitude!r} must be in [0, {MAX_MAGNITUDE:g}]")
+        name = spelt("randaugment_magnitude", magnitude, as_flags)
+        raise UsageError(f"{name} must be in [0, {MAX_MAGNITUDE:g}], e.g. 9 (DeiT)")
 
 
 def rand_augment(image: tf.Tensor, key: tf.Tensor, num_ops: int, magnitude: float) -> tf.Tensor:

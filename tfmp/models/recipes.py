@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from tfmp.errors import UsageError, unknown
+from tfmp.input import mixing, randaugment
+from tfmp.models import stochastic_depth
 
 # The flags a recipe may set, in the order the run card lists them (XLA last: how fast, not what
 # is learnt). A recipe leaves out the ones whose plain default suits it.
@@ -217,19 +219,13 @@ def resolve(name: str, model: str) -> Recipe:
 
 
 def check(values: Mapping[str, object]) -> None:
-    """Refuses flag values no recipe piece can run with, each in one line naming the flag."""
-    for flag in ("mixup_alpha", "cutmix_alpha"):
-        alpha = values.get(flag, 0.0)
-        if not 0.0 <= alpha < float("inf"):  # also refuses NaN
-            raise UsageError(
-                f"--{flag}={alpha} must be 0 (off) or a positive Beta parameter, e.g. 0.8 (DeiT: "
-                "mixup 0.8, cutmix 1.0)"
-            )
-    rate = values.get("stochastic_depth", 0.0)
-    if not 0.0 <= rate < 1.0:
-        raise UsageError(
-            f"--stochastic_depth={rate} must be in [0, 1): the last block's drop rate, e.g. 0.1 (DeiT)"
-        )
+    """Refuses flag values no recipe piece can run with, each in one line naming the flag (each
+    piece's own check, asked to name its values as flags)."""
+    mixing.check(values.get("mixup_alpha", 0.0), values.get("cutmix_alpha", 0.0), as_flags=True)
+    randaugment.check(
+        values.get("randaugment_ops", 0), values.get("randaugment_magnitude", 9.0), as_flags=True
+    )
+    stochastic_depth.check_rate(values.get("stochastic_depth", 0.0), as_flag=True)
     warmup = values.get("warmup_epochs", 0.0)
     if not 0.0 <= warmup < float("inf"):
         raise UsageError(

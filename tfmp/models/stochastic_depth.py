@@ -35,6 +35,18 @@ import numbers
 import keras
 import tensorflow as tf
 
+from tfmp.errors import UsageError, spelt
+
+
+def check_rate(rate: float, *, as_flag: bool = False) -> None:
+    """Raises `UsageError` (a ValueError; one line) unless `rate` is a number in [0, 1);
+    `as_flag` names it as the apps' --stochastic_depth."""
+    if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not 0 <= rate < 1:  # NaN too
+        raise UsageError(
+            f"{spelt('stochastic_depth', rate, as_flag)} must be in [0, 1): the last block's drop rate, "
+            "e.g. 0.1 (DeiT)"
+        )
+
 
 @keras.saving.register_keras_serializable(package="tfmp")
 class StochasticDepth(keras.layers.Layer):
@@ -48,8 +60,7 @@ class StochasticDepth(keras.layers.Layer):
 
     def __init__(self, rate: float, seed: int | None = None, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not 0 <= rate < 1:  # NaN too
-            raise ValueError(f"stochastic depth rate {rate!r} must be in [0, 1)")
+        check_rate(rate)
         self.rate = float(rate)
         self.seed = seed
         # As keras.layers.Dropout: no seed state (no variable) when nothing is ever drawn.

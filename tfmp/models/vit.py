@@ -40,7 +40,7 @@ import keras
 
 from tfmp.errors import UsageError
 from tfmp.models.cnn import classifier_head, functional_model, image_input
-from tfmp.models.stochastic_depth import StochasticDepth
+from tfmp.models.stochastic_depth import StochasticDepth, check_rate
 
 # ViT's and DeiT's LayerNormalization epsilon (Keras' default is 1e-3).
 LAYER_NORM_EPSILON = 1e-6
@@ -221,8 +221,7 @@ def vit(
     for option, rate in (("dropout", dropout), ("attention_dropout", attention_dropout)):
         if not 0 <= rate < 1:
             raise UsageError(f"model {name!r} needs {option} in [0, 1), got {rate}")
-    if not 0 <= stochastic_depth < 1:  # also refuses NaN
-        raise UsageError(f"model {name!r}: stochastic depth rate {stochastic_depth} must be in [0, 1)")
+    check_rate(stochastic_depth)
     # None: Keras' Add layers, the model exactly as without the option.
     rates = drop_rates(stochastic_depth, depth) if stochastic_depth else [None] * depth
     x = keras.layers.Conv2D(

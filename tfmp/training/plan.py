@@ -25,7 +25,6 @@ from tfmp.distribute import strategies as distribute
 from tfmp.distribute.cluster import parse_tf_config
 from tfmp.distribute.launch import RUN_NAME_ENV
 from tfmp.errors import UsageError, unknown
-from tfmp.input import randaugment
 from tfmp.models import recipes
 from tfmp.pipeline import plan as pipeline
 from tfmp.training.config import TrainConfig
@@ -126,15 +125,6 @@ def _check_recipe_pieces(config: TrainConfig, task: Plannable) -> None:
                 f"--stochastic_depth={config.stochastic_depth}: model {config.model!r} has no residual "
                 f"branches to drop; use it with {', '.join(takers)}, or leave it at 0"
             )
-    ops, magnitude = config.data.randaugment_ops, config.data.randaugment_magnitude
-    if not 0 <= ops <= len(randaugment.OPS):
-        raise UsageError(
-            f"--randaugment_ops={ops} must be from 0 (off) to {len(randaugment.OPS)} ops per image, e.g. 2"
-        )
-    if not 0.0 <= magnitude <= randaugment.MAX_MAGNITUDE:
-        raise UsageError(
-            f"--randaugment_magnitude={magnitude} must be from 0 to {randaugment.MAX_MAGNITUDE:g}, e.g. 9 (DeiT)"
-        )
     mixing = {"mixup_alpha": config.data.mixup_alpha, "cutmix_alpha": config.data.cutmix_alpha}
     for flag, alpha in mixing.items():
         if alpha and not getattr(task, "soft_labels", False):
