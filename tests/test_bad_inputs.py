@@ -86,7 +86,12 @@ APP_CASES = [
         {},
         "--randaugment_magnitude=12.0 must be in [0, 10], e.g. 9 (DeiT)",
     ),
-    ("classify", ["--randaugment_ops=-1"], {}, "--randaugment_ops=-1 must be an integer in [0, 14] ops per image (0: off), e.g. 2"),
+    (
+        "classify",
+        ["--randaugment_ops=-1"],
+        {},
+        "--randaugment_ops=-1 must be an integer in [0, 14] ops per image (0: off), e.g. 2",
+    ),
     (
         "detect",
         ["--mixup_alpha=0.8"],

@@ -157,7 +157,10 @@ def test_deterministic_by_key_and_the_same_in_graph_mode_and_tf_data_maps():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: mixing.check(-0.5, 0.0), "mixup_alpha -0.5 must be a finite number >= 0 (0 turns it off; DeiT: mixup 0.8, cutmix 1.0)"),
+        (
+            lambda: mixing.check(-0.5, 0.0),
+            "mixup_alpha -0.5 must be a finite number >= 0 (0 turns it off; DeiT: mixup 0.8, cutmix 1.0)",
+        ),
         (lambda: mixing.check(0.0, float("nan")), "cutmix_alpha nan must be a finite number >= 0"),
         (lambda: mixing.check(float("inf"), 1.0), "mixup_alpha inf must be a finite number >= 0"),
         (lambda: mixing.check("1", 1.0), "mixup_alpha '1' must be a finite number >= 0"),
