@@ -1,6 +1,6 @@
 """keras-hub's ViT through tfmp.fit: vit_tiny's recipe against keras-hub's own compile defaults.
 
-    PYTHONPATH=. python docs/examples/keras_hub_vit_recipe.py                # both, 6 epochs each
+    PYTHONPATH=. python docs/examples/keras_hub_vit_recipe.py                # both, the recipe's epochs each
     PYTHONPATH=. python docs/examples/keras_hub_vit_recipe.py --epochs=2     # a shorter comparison
 
 Runs offline on a CPU: keras-hub's `ViTBackbone` at vit_tiny's sizes (4x4 patches of the built-in
