@@ -543,7 +543,7 @@ def test_randaugment_and_mixing_through_tfds_mock():
 @pytest.mark.parametrize(
     "spec, kwargs, message",
     [
-        ("shapes", {"randaugment": (2, 12)}, "randaugment magnitude 12 must be in [0, 10]"),
+        ("shapes", {"randaugment": (2, 12)}, "randaugment_magnitude 12 must be in [0, 10]"),
         ("shapes", {"randaugment": 9}, "randaugment 9 must be (num_ops, magnitude), e.g. (2, 9)"),
         ("shapes", {"mixing": {"mixup": 0.8}}, "unknown mixing setting(s) mixup; choose from: mixup_alpha"),
         ("shapes", {"mixing": {"num_classes": 5}}, "mixing num_classes 5 is not the dataset's 10 classes"),

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from tfmp.errors import UsageError, unknown
-from tfmp.input import mixing, randaugment
 from tfmp.models import stochastic_depth
 
 # The flags a recipe may set, in the order the run card lists them (XLA last: how fast, not what
@@ -219,12 +218,8 @@ def resolve(name: str, model: str) -> Recipe:
 
 
 def check(values: Mapping[str, object]) -> None:
-    """Refuses flag values no recipe piece can run with, each in one line naming the flag (each
-    piece's own check, asked to name its values as flags)."""
-    mixing.check(values.get("mixup_alpha", 0.0), values.get("cutmix_alpha", 0.0), as_flags=True)
-    randaugment.check(
-        values.get("randaugment_ops", 0), values.get("randaugment_magnitude", 9.0), as_flags=True
-    )
+    """Refuses model and optimizer values no recipe can run with, each in one line naming the flag
+    (the plan checks the input pieces' values with the input layer's own checks)."""
     stochastic_depth.check_rate(values.get("stochastic_depth", 0.0), as_flag=True)
     warmup = values.get("warmup_epochs", 0.0)
     if not 0.0 <= warmup < float("inf"):

@@ -25,6 +25,8 @@ from tfmp.distribute import strategies as distribute
 from tfmp.distribute.cluster import parse_tf_config
 from tfmp.distribute.launch import RUN_NAME_ENV
 from tfmp.errors import UsageError, unknown
+from tfmp.input import mixing as input_mixing
+from tfmp.input import randaugment
 from tfmp.models import recipes
 from tfmp.pipeline import plan as pipeline
 from tfmp.training.config import TrainConfig
@@ -125,6 +127,9 @@ def _check_recipe_pieces(config: TrainConfig, task: Plannable) -> None:
                 f"--stochastic_depth={config.stochastic_depth}: model {config.model!r} has no residual "
                 f"branches to drop; use it with {', '.join(takers)}, or leave it at 0"
             )
+    # The input pieces' own checks, naming their values as flags.
+    randaugment.check(config.data.randaugment_ops, config.data.randaugment_magnitude, as_flags=True)
+    input_mixing.check(config.data.mixup_alpha, config.data.cutmix_alpha, as_flags=True)
     mixing = {"mixup_alpha": config.data.mixup_alpha, "cutmix_alpha": config.data.cutmix_alpha}
     for flag, alpha in mixing.items():
         if alpha and not getattr(task, "soft_labels", False):
