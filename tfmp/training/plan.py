@@ -118,8 +118,9 @@ def _check_ranges(config: TrainConfig) -> None:
 
 
 def _check_recipe_pieces(config: TrainConfig, task: Plannable) -> None:
-    """Stochastic depth only for a model that has it; Mixup/CutMix only where the loss takes the
-    soft labels they make (a task says so with `soft_labels = True`)."""
+    """Stochastic depth only for a model that has it; RandAugment and Mixup/CutMix values in their
+    ranges; Mixup/CutMix only where the loss takes the soft labels they make (a task says so with
+    `soft_labels = True`)."""
     if config.stochastic_depth and config.model in models.MODELS:
         if "stochastic_depth" not in models.options(config.model):
             takers = sorted(name for name in models.MODELS if "stochastic_depth" in models.options(name))
