@@ -28,6 +28,7 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     ).strip()
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -201,6 +202,24 @@ def wait_for_log_past(launcher: subprocess.Popen, metrics, step: int, timeout: f
 # ----------------------------------------------------------------------------- untrusted files
 def _png_chunk(kind: bytes, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+FOLDER_COLOURS = {"cat": (255, 0, 0), "dog": (0, 255, 0), "emu": (0, 0, 255)}
+
+
+def write_image_folder(folder, count, start=0):
+    """A `folder:` dataset: `count` one-colour PNGs per class of FOLDER_COLOURS (class i's colour
+    is channel i), of two sizes (resizing is needed), each file distinct, and one non-image file.
+    The loader holds every 10th image of a class out for eval."""
+    for name, colour in FOLDER_COLOURS.items():
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for index in range(start, start + count):
+            height, width = (6, 9) if index % 2 else (10, 7)
+            pixels = np.zeros((height, width, 3), np.uint8) + np.array(colour, np.uint8)
+            pixels[0, 0] = index
+            (folder / name / f"{index:03d}.png").write_bytes(tf.io.encode_png(pixels).numpy())
+    (folder / "cat" / "notes.txt").write_text("not an image")
+    return folder
 
 
 def write_zero_png(path, width: int, height: int, cut: int = 0) -> int:

@@ -4,10 +4,8 @@ import glob
 import json
 import os
 
-import numpy as np
 import pytest
-from conftest import ROOT, run_python
-from PIL import Image
+from conftest import ROOT, run_python, write_image_folder
 
 pytestmark = pytest.mark.slow  # each test starts TensorFlow in a new process
 
@@ -73,29 +71,16 @@ def test_apps_on_mocked_tfds(tmp_path, app, dataset, extra):
     assert card["dataset"].startswith(dataset)
 
 
-def _tiny_folder(root, classes=3, images=10, size=16):
-    """A `folder:` dataset of `classes` x `images` one-colour PNGs: the loader holds every 10th
-    image of a class out, so its eval split is one small batch."""
-    for index in range(classes):
-        (root / f"class_{index}").mkdir(parents=True)
-        for number in range(images):
-            pixels = np.zeros((size, size, 3), np.uint8)
-            pixels[..., index % 3] = 255
-            pixels[0, 0] = number  # every file distinct
-            Image.fromarray(pixels).save(root / f"class_{index}" / f"{number:03d}.png")
-    return root
-
-
 @pytest.mark.slow
 def test_vit_b16_config_and_its_deit_recipe_run_a_few_steps_on_a_cpu(tmp_path):
     """configs/vit_b16_imagenet_8gpu.cfg with DeiT's recipe (RandAugment, Mixup/CutMix, stochastic
-    depth, weight decay without norms/biases/tokens), on a tiny image folder at 16x16 (one patch +
+    depth, weight decay without norms/biases/tokens), on a 30-image folder at 16x16 (one patch +
     the class token) and a CPU's batch, in float32: it builds and trains. With the config's
     float16 (emulated on CPUs without AVX512-FP16) and 32x32 images, the run, its eval of the
     2,000 shapes included, took 254 s on the AVX2 EPYC; at 16x16 on the built-in shapes 164 s on
     the family-25 EPYC, 83 s with this folder's 3 eval images (about 20 s of that is the summary's
     gzip of 330 MB of weights); policies are tests/test_matrix.py's."""
-    folder = _tiny_folder(tmp_path / "images")
+    folder = write_image_folder(tmp_path / "images", 10)  # 27 train, 3 eval images
     result = run_python(
         [
             "-m",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from conftest import run_python
+from conftest import run_python, write_image_folder
 
 from tfmp.classification import data, drawing
 from tfmp.errors import UsageError
@@ -336,23 +336,9 @@ def test_tfds_train_only_dataset_holds_out_a_slice(tiny_tfds_dir):
 
 
 # ----------------------------------------------------------------------------- folders
-COLOURS = {"cat": (255, 0, 0), "dog": (0, 255, 0), "emu": (0, 0, 255)}
-
-
-def _write_images(folder, count, start=0):
-    for name, colour in COLOURS.items():
-        (folder / name).mkdir(parents=True, exist_ok=True)
-        for index in range(start, start + count):
-            height, width = (6, 9) if index % 2 else (10, 7)  # sizes differ: resizing is needed
-            pixels = np.zeros((height, width, 3), np.uint8) + np.array(colour, np.uint8)
-            pixels[0, 0] = index  # makes every file distinct
-            (folder / name / f"{index:03d}.png").write_bytes(tf.io.encode_png(pixels).numpy())
-    (folder / "cat" / "notes.txt").write_text("not an image")
-
-
 @pytest.fixture
 def image_folder(tmp_path):
-    _write_images(tmp_path / "pics", 20)
+    write_image_folder(tmp_path / "pics", 20)
     return tmp_path / "pics"
 
 
@@ -394,8 +380,8 @@ def test_folder_sharding_skip_and_cache(image_folder):
 
 
 def test_folder_with_train_and_val_subfolders(tmp_path):
-    _write_images(tmp_path / "set" / "train", 3)
-    _write_images(tmp_path / "set" / "val", 2, start=50)
+    write_image_folder(tmp_path / "set" / "train", 3)
+    write_image_folder(tmp_path / "set" / "val", 2, start=50)
     info = data.describe(f"folder:{tmp_path / 'set'}", image_size=8)
     assert (info.num_classes, info.train_examples, info.eval_examples) == (3, 9, 6)
 
@@ -406,7 +392,7 @@ def test_folder_errors(tmp_path):
     (tmp_path / "empty" / "cat").mkdir(parents=True)
     with pytest.raises(UsageError, match=f"{tmp_path / 'empty'}.*no images"):
         data.describe(f"folder:{tmp_path / 'empty'}")
-    _write_images(tmp_path / "few", 3)  # fewer than 10 per class: nothing held out
+    write_image_folder(tmp_path / "few", 3)  # fewer than 10 per class: nothing held out
     with pytest.raises(UsageError, match="has no eval images; give each class 10 or more images"):
         data.describe(f"folder:{tmp_path / 'few'}")  # a run's plan: before anything is written
     assert data.describe(f"folder:{tmp_path / 'few'}", verify=False).eval_examples == 0
@@ -456,7 +442,7 @@ def test_folder_sniff_counts_bad_files_and_passes_whole_ones(image_folder):
 
 @pytest.mark.slow
 def test_classify_refuses_a_corrupt_folder_before_writing_anything(tmp_path):
-    _write_images(tmp_path / "pics", 10)
+    write_image_folder(tmp_path / "pics", 10)
     bad = tmp_path / "pics" / "emu" / "cut.jpg"
     bad.write_bytes(_encoded("jpeg")[:200])
     run = tmp_path / "run"
