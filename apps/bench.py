@@ -47,6 +47,10 @@ RMSNormalization,MultiHeadAttention,GELU,DenseGELU adds the transformer layers o
 primitive (ONEDNN_VERBOSE=1: ms per kind and implementation, oneDNN's reference kernels flagged,
 the time outside oneDNN; `tfmp.bench.onednn`); where oneDNN's ops are off it says so in one line.
 
+--engine_vs_fit adds, per classifier and precision, tfmp's Engine and Keras' fit on two copies
+of the model in one process, timed in --engine_vs_fit_rounds alternating rounds: the engine /
+fit ratio without the noise of two processes (`tfmp.bench.engine_vs_fit`).
+
 --mode=memory --memory_budget_mb=N finds, per model and precision, the largest global batch
 whose training step's live peak fits N MiB (`tfmp.bench.memory`: a line fitted through
 --memory_probe_batches, the predicted batch and the next step measured, a bisection if the
@@ -148,6 +152,13 @@ flags.DEFINE_bool(
     "flagging oneDNN's reference kernels.",
 )
 flags.DEFINE_integer("onednn_study_steps", 3, "--onednn_study: the timed steps it reads.")
+flags.DEFINE_bool(
+    "engine_vs_fit",
+    False,
+    "Also time tfmp's Engine and Keras' fit on two copies of each classifier in ONE process, per "
+    "precision, in alternating rounds (engine / fit without the two-process noise).",
+)
+flags.DEFINE_integer("engine_vs_fit_rounds", 8, "--engine_vs_fit: rounds timing the engine and fit in turn.")
 flags.DEFINE_bool("bn_study", False, "Also time one BatchNormalization alone, Keras' layer vs fused.")
 flags.DEFINE_list(
     "bn_study_shape", ["64", "48", "48", "64"], "--bn_study: the input (batch, height, width, C)."
@@ -280,6 +291,8 @@ def _config() -> bench.BenchConfig:
         fused_norm=_booleans("fused_norm"),
         onednn_study=FLAGS.onednn_study,
         onednn_study_steps=FLAGS.onednn_study_steps,
+        engine_vs_fit=FLAGS.engine_vs_fit,
+        engine_vs_fit_rounds=FLAGS.engine_vs_fit_rounds,
         bn_study=FLAGS.bn_study,
         bn_study_shape=_integers("bn_study_shape"),
         bn_study_rounds=FLAGS.bn_study_rounds,

@@ -25,7 +25,8 @@ per-layer milliseconds in "policies" and the Engine step, "layer_repeats" and th
 `bn_study` (`tfmp.bench.bn_study`: one BatchNormalization's forward + backward, Keras' layer
 vs fused, "precision", "shape", "rounds"; "groups": G > 0 studies GroupNormalization(G),
 "layer": "LayerNormalization", "RMSNormalization" or "MultiHeadAttention" (with "heads") the
-others on a (batch, tokens, width) "shape") and
+others on a (batch, tokens, width) "shape"), `engine_vs_fit` (`tfmp.bench.engine_vs_fit`: the
+engine keys and "rounds"; the Engine and Keras' fit on two copies of the model, in turn) and
 `environment` (the names and hardware facts the parent plans with, `matrix.Environment`).
 Engine and fit cells take "fused_norm" (`tfmp.precision.fuse_normalization` before compile,
 see `tfmp.bench.workloads`).
@@ -49,6 +50,7 @@ import tensorflow as tf
 from tfmp import models, precision
 from tfmp.bench import (
     bn_study,
+    engine_vs_fit,
     input_cost,
     keras_models,
     layer_profile,
@@ -211,7 +213,9 @@ def _time_paired(cell, strategy, model, optimizer, dataset_fn):
     return timed[synthetic], timed[real]
 
 
-def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
+def _compiled_for_fit(cell, strategy, model, optimizer, dataset_fn):
+    """`model` compiled as a plain Keras user compiles it for the cell (its optimizer, sparse
+    cross-entropy, accuracy), and the endless dataset its `fit` reads."""
     dataset = data.with_threads(dataset_fn(None), cell.get("data_threads", 0))
     with strategy.scope():
         model.compile(
@@ -221,7 +225,11 @@ def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
             steps_per_execution=cell["steps_per_execution"],
             jit_compile=cell["xla"],
         )
-    dataset = dataset.repeat()
+    return dataset.repeat()
+
+
+def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
+    dataset = _compiled_for_fit(cell, strategy, model, optimizer, dataset_fn)
     if cell["mode"] == "inference":
 
         def predict(count):  # one Keras call per repeat, as a user makes one per evaluation
@@ -339,6 +347,8 @@ def measure(cell: dict) -> dict:
         )
     if cell["kind"] == "onednn_study":
         return _onednn_steps(cell)
+    if cell["kind"] == engine_vs_fit.KIND:
+        return _engine_vs_fit(cell)
     return _measure_training(cell)
 
 
@@ -353,6 +363,44 @@ def _onednn_steps(cell: dict) -> dict:
     began = time.time()
     seconds = executions(cell["steps"])
     return {"policy": policy, "step_seconds": seconds, "window_ms": [1000 * began, 1000 * time.time()]}
+
+
+def _engine_vs_fit(cell: dict) -> dict:
+    """An `engine_vs_fit` cell (`tfmp.bench.engine_vs_fit`): two copies of the model, one trained
+    by the Engine and one by Keras' fit, in alternating rounds of the same steps."""
+    strategy = distribute.get_strategy("default")
+    policy = precision.resolve(cell["precision"]).policy
+    setup = workloads.setup_for(cell["model"])
+    model, optimizer, dataset_fn, _ = setup(cell, strategy, policy)
+    twin, twin_optimizer, twin_dataset_fn, _ = setup(cell, strategy, policy)  # same seed, same weights
+    engine = _engine_executions(
+        cell, strategy, Engine(strategy, model, optimizer, xla=cell["xla"]), dataset_fn
+    )
+    count = _executions_per_repeat(cell, engine(cell["warmup_executions"])[-1])
+    dataset = _compiled_for_fit(cell, strategy, twin, twin_optimizer, twin_dataset_fn)
+    steps = cell["steps_per_execution"] * count
+    twin.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)  # traces and warms up
+    engine_seconds, fit_seconds = [], []
+
+    class Alternate(keras.callbacks.Callback):
+        # Each epoch is a round: the engine's repeat first, untimed for fit, then fit's epoch.
+        def on_epoch_begin(self, epoch, logs=None):
+            engine_seconds.append(sum(engine(count)))
+            self.started = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            fit_seconds.append(time.perf_counter() - self.started)
+
+    twin.fit(dataset, steps_per_epoch=steps, epochs=cell["rounds"], verbose=0, callbacks=[Alternate()])
+    examples = cell["global_batch_size"] * steps
+    per_round = [fit / engine for engine, fit in zip(engine_seconds, fit_seconds)]
+    return {
+        "policy": policy,
+        "rounds": per_round,
+        "value": statistics.median(per_round),
+        "engine_examples_per_sec": examples / statistics.median(engine_seconds),
+        "fit_examples_per_sec": examples / statistics.median(fit_seconds),
+    }
 
 
 def _measure_training(cell: dict) -> dict:

@@ -12,7 +12,8 @@ A detector in `models` (retinanet_tiny, faster_rcnn_tiny, ...) trains on the bui
 are tfmp's), only the synthetic-input one; with XLA on, Faster R-CNN compiles its
 static-shaped parts (backbone, FPN, RPN and box head).
 The optional studies (`pipeline_micro_batches`, `pipeline_2d_workers`, `threads_study`,
-`bn_study`) are planned by `tfmp.bench.studies`. `layer_profile` (a list of model names) plans
+`bn_study`) are planned by `tfmp.bench.studies`, `onednn_study` by `tfmp.bench.onednn` and
+`engine_vs_fit` by `tfmp.bench.engine_vs_fit`. `layer_profile` (a list of model names) plans
 the cells of a run of its own (`runner.run_layer_profile`): each model's layers timed in
 float32 and mixed_bfloat16 at `image_size` and `global_batch_size` against the Engine's step
 (`tfmp.bench.layer_profile`).
@@ -35,7 +36,7 @@ import itertools
 import math
 
 from tfmp import run_dir
-from tfmp.bench import onednn, studies
+from tfmp.bench import engine_vs_fit, onednn, studies
 from tfmp.errors import UsageError, unknown
 
 RESULT_PREFIX = "BENCH_RESULT "  # a cell process prints its result as one line: PREFIX + JSON
@@ -104,6 +105,8 @@ class BenchConfig:
     bn_study_heads: int = 3  # MultiHeadAttention's heads (vit_tiny's), width / heads each
     onednn_study: bool = False  # one oneDNN per-primitive breakdown per model and precision
     onednn_study_steps: int = 3  # the steps it reads oneDNN's verbose lines of
+    engine_vs_fit: bool = False  # the engine and Keras' fit in one process per model and precision
+    engine_vs_fit_rounds: int = 8  # ... timed in turn, this many rounds each
     memory_budget_mb: float = 0  # mode="memory": the live-peak budget (MiB) a batch must fit
     memory_probe_batches: list[int] = dataclasses.field(default_factory=lambda: [16, 32])  # the fit's
     memory_batch_step: int = 1  # the batches tried are multiples of this
@@ -183,6 +186,7 @@ def check(config: BenchConfig) -> None:
         "layer_profile_repeats",
         "bn_study_rounds",
         "onednn_study_steps",
+        "engine_vs_fit_rounds",
     ):
         if getattr(config, flag) < 1:
             raise UsageError(f"--{flag}={getattr(config, flag)} must be >= 1")
@@ -303,7 +307,13 @@ def cells(config: BenchConfig, environment: Environment) -> list[dict]:
     for model in config.models:
         for group in setting_groups(config, environment, model):
             result += _group_cells(config, environment, dict(shared_settings(config), **group))
-    return result + input_cost_cells(config, environment) + studies.cells(config) + onednn.cells(config)
+    return (
+        result
+        + input_cost_cells(config, environment)
+        + studies.cells(config)
+        + onednn.cells(config)
+        + engine_vs_fit.cells(config, environment)
+    )
 
 
 def _group_cells(config: BenchConfig, environment: Environment, common: dict) -> list[dict]:
@@ -368,6 +378,8 @@ def describe_cell(cell: dict) -> str:
         return "precision probe: matmul and convolution, float32 / bfloat16 / float16"
     if cell["kind"] == "onednn_study":
         return onednn.describe(cell)
+    if cell["kind"] == engine_vs_fit.KIND:
+        return engine_vs_fit.describe(cell)
     if cell["kind"] == "peak":
         return f"matmul peak {cell['precision']} (sizes {'/'.join(map(str, cell['sizes']))})"
     if cell["kind"] == "input_cost":

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from tfmp.bench import memory_report, onednn
+from tfmp.bench import engine_vs_fit, memory_report, onednn
 from tfmp.bench import threads as bench_threads
 from tfmp.bench.rounds import paired_ratio, spread
 
@@ -308,6 +308,7 @@ def table(cells: list[dict], ratios: dict) -> str:
             bench_threads.table(ratios["threads"]),
         ]
     lines += onednn.lines(cells)
+    lines += engine_vs_fit.lines(cells)
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ import sys
 import time
 
 from tfmp import run_dir
-from tfmp.bench import matrix, memory, onednn, rounds, schema
+from tfmp.bench import engine_vs_fit, matrix, memory, onednn, rounds, schema
 from tfmp.bench import report as bench_report
 
 MEMORY_NOTE = (
@@ -113,6 +113,8 @@ def environment(timeout: float = 600) -> matrix.Environment:
 
 def _headline(result: dict) -> str:
     """The one figure a progress line shows for a cell's result."""
+    if "fit_examples_per_sec" in result:  # engine vs Keras fit in one process
+        return engine_vs_fit.headline(result)
     if "examples_per_sec" in result:
         headline = f"{result['examples_per_sec']:,.1f} examples/s"
         paired = result.get("paired_input")  # a detector's reference cell: the real input in turn

@@ -232,6 +232,14 @@ ONEDNN_RESULT = {
     "primitives": "list",
     "reference_kernels": "list",
 }
+# tfmp's Engine and Keras' fit in one process (kind "engine_vs_fit", tfmp.bench.engine_vs_fit).
+ENGINE_VS_FIT_RESULT = {
+    "policy": "string",
+    "rounds": "list",  # fit's seconds / the engine's, per round
+    "value": "number",  # their median
+    "engine_examples_per_sec": "number",
+    "fit_examples_per_sec": "number",
+}
 ONEDNN_PRIMITIVE = {
     "kind": "string",
     "propagation": "string",
@@ -366,4 +374,6 @@ def check(report: dict) -> None:
             _fields(f"{where}.result", cell["result"], ONEDNN_RESULT, exact=True)
             for row in cell["result"]["primitives"]:
                 _fields(f"{where}.result.primitives[]", row, ONEDNN_PRIMITIVE, exact=True)
+        elif cell["kind"] == "engine_vs_fit":
+            _fields(f"{where}.result", cell["result"], ENGINE_VS_FIT_RESULT, exact=True)
     _ratio_rows(report["ratios"], RATIOS)
