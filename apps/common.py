@@ -131,6 +131,11 @@ flags.DEFINE_float(
     float(os.environ.get(STARTUP_TIMEOUT_ENV, 120)),
     "Multi-worker: seconds to wait for every peer before failing (tfmp.launch sets it).",
 )
+flags.DEFINE_float(
+    "heartbeat_timeout",
+    distribute.DEFAULT_HEARTBEAT_TIMEOUT,
+    "Multi-worker: seconds a worker may go without a heartbeat before every peer stops (TF: 10).",
+)
 
 flags.DEFINE_float(
     "prune_sparsity",

@@ -44,7 +44,7 @@ import tensorflow as tf  # noqa: E402
 import test_fused_layer_norm  # noqa: E402
 import test_fused_norm  # noqa: E402
 
-from tfmp import models, precision  # noqa: E402
+from tfmp import compat, models, precision  # noqa: E402
 from tfmp.classification import data  # noqa: E402
 from tfmp.classification.task import compile_classifier  # noqa: E402
 from tfmp.distribute import allreduce  # noqa: E402
@@ -67,7 +67,13 @@ def main():
     distribute.split_cpu(2, "--pipeline_stages")
     strategy = distribute.get_strategy("auto", one_replica_per_worker=True)
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-    print(json.dumps({"kind": "strategy", "multi_worker": multi_worker}), flush=True)
+    heartbeat_timeout_ms = compat.coordination_heartbeat_timeout_ms()
+    print(
+        json.dumps(
+            {"kind": "strategy", "multi_worker": multi_worker, "heartbeat_timeout_ms": heartbeat_timeout_ms}
+        ),
+        flush=True,
+    )
     classification_cells(strategy)
     pipeline_2d_worker.cells(strategy, IMAGE_SIZE, STEPS)
     overflow_on_worker_1(strategy)

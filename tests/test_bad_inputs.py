@@ -150,6 +150,7 @@ APP_CASES = [
     ("classify", ["--steps_per_epoch=-1"], {}, "--steps_per_epoch=-1 must be 0"),
     ("classify", ["--startup_timeout=-1"], {}, "--startup_timeout=-1.0 must be a positive number of seconds"),
     ("classify", ["--startup_timeout=nan"], {}, "--startup_timeout=nan must be a positive number of seconds"),
+    ("classify", ["--heartbeat_timeout=0.5"], {}, "--heartbeat_timeout=0.5 must be at least 1 second"),
     ("classify", ["--global_batch_size=0"], {}, "--global_batch_size=0 must be positive"),
     ("classify", ["--steps=-3"], {}, "--steps=-3 must be positive"),
     ("classify", ["--epochs=0"], {}, "--epochs=0 must be positive"),

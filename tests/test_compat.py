@@ -7,6 +7,7 @@ the fix starts in tfmp/compat.py (and setup.cfg's Keras pin moves only once thes
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.distribute import multi_worker_util  # TF's own choice of leader
 from tensorflow.python.eager import context as eager_context  # the symbol under test
 
 from tfmp import compat
@@ -84,6 +85,30 @@ def test_the_coordination_barrier_exists():
     assert hasattr(eager_context.context(), "wait_at_barrier"), (
         "tensorflow.python.eager.context.Context.wait_at_barrier is gone: update tfmp/compat.py"
     )
+
+
+def test_the_coordination_service_is_configured_as_the_strategy_would_with_our_heartbeat():
+    """MultiWorkerMirroredStrategy keeps a coordination service configured before it (the
+    launched group checks that end to end: tests/test_matrix.py); here, that the configuration
+    is the strategy's own but for the timeout: the leader TensorFlow picks, the chief and worker
+    jobs with their sizes."""
+    context = eager_context.context()
+    _require(context, "configure_coordination_service")
+    before = context.coordination_service
+    try:
+        for cluster in (
+            {"worker": ["a:1", "b:2"]},
+            {"chief": ["a:1"], "worker": ["b:2", "c:3"], "evaluator": ["d:4"]},
+        ):
+            compat.configure_coordination(cluster, 60_000)
+            config = context.coordination_service
+            assert config.service_type == "standalone"
+            assert config.service_leader == multi_worker_util.coordination_leader(cluster)
+            jobs = [(job.name, job.num_tasks) for job in config.coordinated_job_list]
+            assert jobs == [(job, len(cluster[job])) for job in ("chief", "worker") if job in cluster]
+            assert compat.coordination_heartbeat_timeout_ms() == 60_000
+    finally:
+        context._coordination_service_config = before  # this process runs no multi-worker strategy
 
 
 def test_optimizer_strategy_is_the_one_it_was_made_under():

@@ -79,6 +79,11 @@ def test_multi_worker_cells_train_and_replicas_end_identical(launched_workers):
     assert launched_workers.returncode == 0, launched_workers.tail
     records = launched_workers.records
     assert [r["multi_worker"] for r in records["strategy"][0]] == [True]  # what "auto" chose
+    # tfmp's heartbeat timeout, not TensorFlow's 10 s (which the strategy would have set, as 0,
+    # had it configured the coordination service itself), on both workers.
+    for worker in (0, 1):
+        (strategy,) = records["strategy"][worker]
+        assert strategy["heartbeat_timeout_ms"] == distribute.DEFAULT_HEARTBEAT_TIMEOUT * 1000, strategy
     for worker in (0, 1):
         (overflow,) = records["overflow"][worker]
         # Worker 1's overflow skipped the step everywhere: weights unchanged, scale halved.

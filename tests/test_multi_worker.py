@@ -216,13 +216,18 @@ def _assert_private_network(workers):
     assert not ports & listening_ports(), ports
 
 
-def test_a_lost_peer_is_one_line_exit_5(tmp_path):
+@pytest.mark.parametrize("loss", ["killed", "frozen"])
+def test_a_lost_peer_is_one_line_exit_5(tmp_path, loss):
     """Two workers started by hand (as on two hosts, no launcher to stop the survivor): worker 1
-    is killed mid-run; worker 0's collective fails, and instead of TensorFlow's UnavailableError
-    traceback it prints one `error:` line naming the lost worker and what a resume starts from."""
+    is killed mid-run (its connections reset), or frozen (SIGSTOP: connections open, no
+    heartbeats, as a hung process or a vanished machine), which `--heartbeat_timeout` seconds
+    later the coordination service calls dead; worker 0's collective fails, and instead of
+    TensorFlow's UnavailableError traceback it prints one `error:` line naming the lost worker
+    and what a resume starts from."""
     ports = launch.free_ports(2)
     addresses = [f"localhost:{port}" for port in ports]
     flags = [*APP, "--strategy=multi_worker", "--steps=400", "--steps_per_epoch=400", "--checkpoint_every=10"]
+    flags.append("--heartbeat_timeout=5")
     workers = [
         start_python(
             [*flags, f"--model_dir={tmp_path / 'run'}"], env={"TF_CONFIG": launch.tf_config(addresses, i)}
@@ -230,15 +235,23 @@ def test_a_lost_peer_is_one_line_exit_5(tmp_path):
         for i in range(2)
     ]
     wait_for_log_past(workers[0], tmp_path / "run" / "metrics.jsonl", 10)
-    workers[1].kill()
-    finish(workers[1])
-    survivor = finish(workers[0], timeout=120)
+    if loss == "frozen":
+        workers[1].send_signal(signal.SIGSTOP)
+        survivor = finish(workers[0], timeout=120)
+        workers[1].kill()
+        finish(workers[1])
+    else:
+        workers[1].kill()
+        finish(workers[1])
+        survivor = finish(workers[0], timeout=120)
     assert survivor.returncode == EXIT_PEER_LOST, survivor.stderr[-3000:]
     assert "Traceback" not in survivor.stderr, survivor.stderr[-3000:]
     lines = [line for line in survivor.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and survivor.stderr.rstrip().endswith(lines[0]), survivor.stderr[-3000:]
     assert lines[0].startswith(f"error: worker 1 ({addresses[1]}) stopped answering"), lines[0]
     assert "a resume starts from the checkpoint of step" in lines[0], lines[0]
+    if loss == "frozen":
+        assert "no heartbeats" in lines[0], lines[0]
 
 
 def test_unreachable_peer_fails_fast_naming_it(tmp_path):

@@ -16,7 +16,8 @@ versions that test passes on.
     Variable._value, Variable._initialize   re-creating a variable on a pipeline stage's device
     Optimizer._distribution_strategy        the strategy an optimizer was made in, whose scope
                                             its slots must be built in (tfmp.fit)
-    tensorflow.python.eager.context         the coordination service's barrier (multi-worker)
+    tensorflow.python.eager.context,        the coordination service's barrier and its
+      tensorflow.compiler.xla.tsl.protobuf  heartbeat timeout (multi-worker)
     keras.src.trainers.data_adapters        a PyDataset or Python generator as tf.data, exactly as
       .get_data_adapter                     model.fit reads it (workers, on_epoch_end; tfmp.fit)
     Model._initial_epoch                    the epoch BackupAndRestore restored (tfmp.fit)
@@ -33,6 +34,7 @@ import contextlib
 import keras
 import tensorflow as tf
 from keras.src.trainers import data_adapters as keras_data_adapters
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.eager import context as eager_context
 
 
@@ -92,6 +94,32 @@ def optimizer_strategy(optimizer: keras.optimizers.Optimizer) -> tf.distribute.S
 def wait_at_barrier(barrier_id: str, timeout_ms: int) -> None:
     """Blocks until every task of the coordination service (every worker) reaches `barrier_id`."""
     eager_context.context().wait_at_barrier(barrier_id, timeout_ms)
+
+
+def configure_coordination(cluster: dict[str, list[str]], heartbeat_timeout_ms: int) -> None:
+    """Sets up the coordination service a MultiWorkerMirroredStrategy made next starts, as the
+    strategy itself would (standalone, led by the chief or else worker 0, coordinating the chief
+    and worker jobs), but with its heartbeat timeout: the strategy keeps a configuration it finds
+    and otherwise takes TensorFlow's 10 s. Call it before the strategy is made."""
+    leader = "chief" if "chief" in cluster else "worker"
+    jobs = [
+        coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(cluster[job]))
+        for job in ("chief", "worker")
+        if job in cluster
+    ]
+    eager_context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=f"/job:{leader}/replica:0/task:0",
+        coordinated_jobs=jobs,
+        heartbeat_timeout_in_ms=heartbeat_timeout_ms,
+    )
+
+
+def coordination_heartbeat_timeout_ms() -> int | None:
+    """The heartbeat timeout of this process's coordination service as configured (0:
+    TensorFlow's default, 10 s), or None when no service is configured."""
+    config = eager_context.context().coordination_service
+    return None if config is None else config.heartbeat_timeout_in_ms
 
 
 def keras_data_adapter(data, shuffle: bool):

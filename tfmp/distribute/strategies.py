@@ -32,6 +32,12 @@ from tfmp.errors import UsageError, unknown
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 LR_SCALING = ("none", "linear", "sqrt")
 DEFAULT_STARTUP_TIMEOUT = 120.0
+# Seconds a multi-worker task may go without a heartbeat before the coordination service calls
+# it dead and aborts every worker's collectives. TensorFlow's 10 s cut off a healthy 2-worker
+# group on a loaded 2-core host (a detector's XLA compile beside other jobs): the leader's own
+# heartbeat arrived late. A killed peer is still found at once (its connections reset); 60 s
+# bounds only the silent cases: a frozen process or a lost machine.
+DEFAULT_HEARTBEAT_TIMEOUT = 60.0
 
 
 def usable_cores() -> int:
@@ -106,12 +112,14 @@ def get_strategy(
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     *,
     one_replica_per_worker: bool = False,
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
 ) -> tf.distribute.Strategy:
     """Returns the strategy for `name` (see STRATEGIES); never None.
 
     `tf_config` defaults to the TF_CONFIG environment variable and is validated first.
     Multi-worker: a worker that cannot reach its peers within `startup_timeout` seconds fails
-    with the unreachable addresses (TensorFlow's own default is to wait an hour).
+    with the unreachable addresses (TensorFlow's own default is to wait an hour); once running,
+    a peer silent for `heartbeat_timeout` seconds is taken for dead.
     `one_replica_per_worker`: multi_worker's replica is one device per worker (GPU:0 or CPU:0)
     however many the worker has, which a pipeline on every worker spreads its stages over.
     """
@@ -125,7 +133,7 @@ def get_strategy(
     if name == "multi_worker":
         # Before anything lists logical devices: that starts TensorFlow's runtime, and
         # collective ops can only be configured before it starts.
-        return _multi_worker(cluster, startup_timeout, one_replica_per_worker)
+        return _multi_worker(cluster, startup_timeout, heartbeat_timeout, one_replica_per_worker)
     devices = _local_devices()
     if name == "auto":
         name = "mirrored" if len(devices) > 1 else "default"
@@ -147,7 +155,10 @@ def get_strategy(
 
 
 def _multi_worker(
-    cluster: ClusterConfig | None, startup_timeout: float, one_replica_per_worker: bool = False
+    cluster: ClusterConfig | None,
+    startup_timeout: float,
+    heartbeat_timeout: float,
+    one_replica_per_worker: bool = False,
 ) -> tf.distribute.Strategy:
     if cluster is None:
         raise UsageError(
@@ -167,6 +178,7 @@ def _multi_worker(
             "MultiWorkerMirroredStrategy runs one CPU replica per worker; start more workers"
         )
     rendezvous(cluster, startup_timeout)
+    compat.configure_coordination(cluster.cluster, int(heartbeat_timeout * 1000))
     if not one_replica_per_worker:
         return tf.distribute.MultiWorkerMirroredStrategy()
     # MultiWorkerMirroredStrategy makes every local GPU a replica (the resolver's accelerator
@@ -322,7 +334,7 @@ def barrier(
 
     Ending a run at a barrier lets the workers leave together, so call it last, once the input
     pipelines are released (`release_input_pipelines`) and the files are written. Then the
-    workers only return and exit, within the coordination service's heartbeat timeout (10 s)
+    workers only return and exit, well within the coordination service's heartbeat timeout
     of each other. The service lives in the leader (the chief, else worker 0): when it exits
     while a peer is still tearing down, that peer's agent fails to reach it and logs a gRPC
     error. So after the barrier the leader gives its peers `leader_grace_seconds` to leave first.

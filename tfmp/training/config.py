@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Collection
 
 from tfmp.distribute.allreduce import DEFAULT_BUCKET_BYTES
-from tfmp.distribute.strategies import DEFAULT_STARTUP_TIMEOUT
+from tfmp.distribute.strategies import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from tfmp.models.recipes import KNOBS, SUPERSEDED_BY
 
 
@@ -87,6 +87,7 @@ class DistributionConfig:
     strategy: str = "auto"
     cpu_replicas: int = 0
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT  # multi-worker: wait for peers
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT  # multi-worker: a silent peer is dead
     xla: str = "auto"
     steps_per_execution: int = 1
     intra_op_threads: int = 0  # 0: TensorFlow's default (one thread per core)

@@ -104,6 +104,10 @@ def _check_ranges(config: TrainConfig) -> None:
         raise UsageError(
             f"--startup_timeout={config.distribution.startup_timeout} must be a positive number of seconds, e.g. 120"
         )
+    if not 1 <= config.distribution.heartbeat_timeout < math.inf:  # also refuses NaN
+        raise UsageError(
+            f"--heartbeat_timeout={config.distribution.heartbeat_timeout} must be at least 1 second, e.g. 60"
+        )
     if not 0 <= config.detection.score_threshold <= 1:
         raise UsageError(
             f"--score_threshold={config.detection.score_threshold} must be a score from 0 to 1, e.g. 0.05"
@@ -194,6 +198,7 @@ def make_plan(config: TrainConfig, task: Plannable) -> Plan:
     strategy = distribute.get_strategy(
         strategy_name,
         startup_timeout=config.distribution.startup_timeout,
+        heartbeat_timeout=config.distribution.heartbeat_timeout,
         one_replica_per_worker=one_replica_per_worker,
     )
     topology = distribute.describe(strategy)

@@ -251,6 +251,7 @@ RESUMABLE_CHANGES = frozenset(
         "steps_per_execution",
         "xla",
         "startup_timeout",
+        "heartbeat_timeout",
         "intra_op_threads",
         "inter_op_threads",
         "data_threads",
