@@ -34,7 +34,7 @@ LR_SCALING = ("none", "linear", "sqrt")
 DEFAULT_STARTUP_TIMEOUT = 120.0
 # Seconds a multi-worker task may go without a heartbeat before the coordination service calls
 # it dead and aborts every worker's collectives. TensorFlow's 10 s cut off a healthy 2-worker
-# group on a loaded 2-core host (a detector's XLA compile beside other jobs): the leader's own
+# group on a loaded 2-core host (training detectors beside other test processes): the leader's own
 # heartbeat arrived late. A killed peer is still found at once (its connections reset); 60 s
 # bounds only the silent cases: a frozen process or a lost machine.
 DEFAULT_HEARTBEAT_TIMEOUT = 60.0
