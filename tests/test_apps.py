@@ -78,8 +78,9 @@ def test_vit_b16_config_and_its_deit_recipe_run_a_few_steps_on_a_cpu(tmp_path):
     the class token) and a CPU's batch, in float32: it builds and trains. With the config's
     float16 (emulated on CPUs without AVX512-FP16) and 32x32 images, the run, its eval of the
     2,000 shapes included, took 254 s on the AVX2 EPYC; at 16x16 on the built-in shapes 164 s on
-    the family-25 EPYC, 83 s with this folder's 3 eval images (about 20 s of that is the summary's
-    gzip of 330 MB of weights); policies are tests/test_matrix.py's."""
+    the family-25 EPYC, 83 s with this folder's 3 eval images (about 20 s of that was the summary's
+    gzip of 330 MB of weights, which only pruned runs compute now); policies are
+    tests/test_matrix.py's."""
     folder = write_image_folder(tmp_path / "images", 10)  # 27 train, 3 eval images
     result = run_python(
         [

@@ -46,9 +46,11 @@ def test_run_writes_every_output(tmp_path):
         resolved_flags="--model=lenet\n",
     )
     assert summary["steps"] == 6 and summary["replicas"] == 2 and summary["precision"] == "mixed_bfloat16"
+    saved = keras.models.load_model(tmp_path / "model.keras")
+    # A dense run reports its weights' raw bytes (float32 master weights) and skips the gzip.
+    assert summary["weights_bytes"] == 4 * saved.count_params() and summary["weights_gzip_bytes"] is None
     # The reported accuracy is the saved model's on the whole eval split, recomputed here at the
     # per-replica batch (kernels pick algorithms by batch size); near ties may flip in bfloat16.
-    saved = keras.models.load_model(tmp_path / "model.keras")
     accuracy, ties = _accuracy(saved, batch=16, policy="mixed_bfloat16")
     rounding.assert_accuracy_within_ties(summary["eval_accuracy"], accuracy, data.DIGITS_EVAL_EXAMPLES, ties)
     card = json.load(open(tmp_path / "run_card.json"))
@@ -267,6 +269,8 @@ def test_pruned_run_under_mixed_float16_on_two_replicas_keeps_zeros_and_resumes(
     assert first["sparsity"] == pytest.approx(0.75, abs=0.01)
     summary = train_and_evaluate(task=TASK, config=_config(tmp_path, steps=8, **pruned))  # resumes at step 4
     assert summary["steps"] == 8 and summary["sparsity"] == pytest.approx(0.75, abs=0.01)
+    # What pruning shrinks: the gzip of weights three quarters zeros, well under their raw bytes.
+    assert summary["weights_gzip_bytes"] < 0.6 * summary["weights_bytes"], summary
     saved = keras.models.load_model(tmp_path / "model.keras")  # stripped: plain Keras, no masks
     zeros = _kernel_zeros(saved)
     assert zeros.pop("lenet_logits") < 0.01  # the float32 head stays dense
