@@ -385,7 +385,9 @@ def _summary(config, plan, model, engine, result, model_dir, task, pruner=None) 
         "weights_sha256": weights_digest(model),
         "history": dict(result.history.history) if result.history else {},
         "sparsity": pruner.sparsity()["overall"] if pruner else 0.0,
-        "weights_bytes": sum(int(np.prod(weight.shape)) * tf.as_dtype(weight.dtype).size for weight in model.weights),
+        "weights_bytes": sum(
+            int(np.prod(weight.shape)) * tf.as_dtype(weight.dtype).size for weight in model.weights
+        ),
         "weights_gzip_bytes": _weights_gzip_bytes(model) if pruner else None,
     }
     size = f"weights {summary['weights_bytes'] / 1e6:.2f} MB"
