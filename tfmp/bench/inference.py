@@ -167,6 +167,12 @@ def _measure(entries, image_shape, config) -> None:
         )
 
 
+# bfloat16 / float32 SavedModel throughput asked of a native-bfloat16 CPU or a GPU, per model:
+# 1.3 for the CNNs (the export issue's), 1.8 for vit_tiny (issue 43's), whose matmuls gain most.
+BFLOAT16_EXPORT_GOALS = {"vit_tiny": ">= 1.8"}
+DEFAULT_BFLOAT16_EXPORT_GOAL = ">= 1.3"
+
+
 def _ratios(rows) -> list[dict]:
     """The goals: bf16 vs f32 SavedModel throughput, fp16-weight vs f32 .tflite size."""
     result = []
@@ -187,7 +193,9 @@ def _ratios(rows) -> list[dict]:
                         "ratio": f"saved_model {half} / float32 throughput",
                         "value": statistics.median(per_repeat),
                         "per_repeat": per_repeat,
-                        "goal": ">= 1.3" if half == "bfloat16" else None,
+                        "goal": BFLOAT16_EXPORT_GOALS.get(model, DEFAULT_BFLOAT16_EXPORT_GOAL)
+                        if half == "bfloat16"
+                        else None,
                     }
                 )
         if ("tflite", "float16 weights") in find and ("tflite", "float32") in find:
