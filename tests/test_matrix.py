@@ -83,7 +83,7 @@ def test_multi_worker_cells_train_and_replicas_end_identical(launched_workers):
     # had it configured the coordination service itself), on both workers.
     for worker in (0, 1):
         (strategy,) = records["strategy"][worker]
-        assert strategy["heartbeat_timeout_ms"] == distribute.DEFAULT_HEARTBEAT_TIMEOUT * 1000, strategy
+        assert strategy["peer_timeout_ms"] == distribute.DEFAULT_HEARTBEAT_TIMEOUT * 1000, strategy
     for worker in (0, 1):
         (overflow,) = records["overflow"][worker]
         # Worker 1's overflow skipped the step everywhere: weights unchanged, scale halved.
