@@ -61,6 +61,9 @@ auto) as --export_formats and times every artifact next to the Keras model in fl
 latency p50/p99, throughput at --global_batch_size, size on disk (`tfmp.bench.inference`).
 """
 
+import signal
+import sys
+
 from absl import flags, logging
 
 from apps import cli
@@ -306,8 +309,34 @@ def _config() -> bench.BenchConfig:
     )
 
 
+class _Stopped(Exception):
+    """A stop signal (SIGTERM, SIGHUP) raised where the bench was, so what runs cells stops them."""
+
+
+def _stop(signum, frame):
+    raise _Stopped(signal.Signals(signum).name)
+
+
 def main(argv):
-    del argv
+    # By default SIGTERM and SIGHUP end this process at once, and its cell processes, which
+    # hold GBs and CPUs, would run on: raised here instead, they unwind through what started
+    # the cells (subprocess.run, the rounds' `finally`), which kills them. A SIGKILLed bench
+    # takes them with it too (tfmp.distribute.workers.dies_with_this_process).
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop)
+    try:
+        _measure()
+    except (_Stopped, KeyboardInterrupt) as stop:
+        name = str(stop) if isinstance(stop, _Stopped) else "SIGINT"
+        print(
+            f"interrupted: {name} stopped the bench and its running cells (bench.json is written "
+            "only once every cell is measured)",
+            file=sys.stderr,
+        )
+        sys.exit(128 + signal.Signals[name])
+
+
+def _measure():
     if FLAGS.mode == "inference":
         return _inference_main()
     config = _config()

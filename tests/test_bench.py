@@ -10,11 +10,14 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import os
 import pathlib
+import signal
 import statistics
+import time
 
 import pytest
-from conftest import ROOT, run_python
+from conftest import ROOT, finish, run_python, start_python, workers_of
 
 from tfmp.bench import cell as bench_cell
 from tfmp.bench import matrix as bench
@@ -328,6 +331,64 @@ def test_unknown_model_is_a_one_line_error_after_the_environment_cell(tmp_path):
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-1000:]
     assert "unknown model 'resnet9'; choose one of:" in errors[0] and "retinanet_tiny" in errors[0]
     assert not (tmp_path / "out").exists()
+
+
+def _first_cell(process, timeout=60):
+    """The pid of the first cell process `process` (apps.bench) started, once it runs the cell's
+    program (a child caught between fork and exec is still the bench's own code)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        for child in workers_of(process):
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                    if b"tfmp.bench.cell" in cmdline.read():
+                        return child
+            except FileNotFoundError:
+                pass
+        time.sleep(0.05)
+    pytest.fail(f"apps.bench started no cell process (exit {process.poll()})")
+
+
+def _gone(pid, timeout=30) -> bool:
+    """Whether process `pid` ended within `timeout` seconds (a zombie counts as ended)."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.time() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+@pytest.mark.slow  # two bench parents, each killed while its first cell process starts TensorFlow
+def test_a_stopped_or_killed_bench_leaves_no_cell_process_running(tmp_path):
+    """SIGTERM: one `interrupted:` line, exit 143, its cell stopped, nothing written; SIGKILL
+    (no handler can run): the kernel ends the cell with it (PR_SET_PDEATHSIG). The cell is
+    frozen (SIGSTOP) first, so it cannot end by finishing its own work: only a kill ends it."""
+    for stop in (signal.SIGTERM, signal.SIGKILL):
+        output = tmp_path / stop.name
+        bench_process = start_python(["-m", "apps.bench", "--models=mnist_mlp", f"--output_dir={output}"])
+        cell = _first_cell(bench_process)
+        os.kill(cell, signal.SIGSTOP)
+        os.kill(bench_process.pid, stop)
+        result = finish(bench_process, timeout=60)
+        try:
+            assert _gone(cell), f"the cell {cell} outlived apps.bench after {stop.name}"
+        finally:
+            if not _gone(cell, timeout=0):
+                os.kill(cell, signal.SIGKILL)
+        assert not (output / "bench.json").exists()
+        if stop == signal.SIGTERM:
+            assert result.returncode == 143 and "Traceback" not in result.stderr, result.stderr[-2000:]
+            assert (
+                result.stderr.strip()
+                .splitlines()[-1]
+                .startswith("interrupted: SIGTERM stopped the bench and its running cells")
+            ), result.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

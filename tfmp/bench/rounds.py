@@ -32,6 +32,8 @@ import subprocess
 import tempfile
 import time
 
+from tfmp.distribute.workers import dies_with_this_process
+
 POLL_SECONDS = 0.01  # a waiting cell polls its round file: ~no CPU, ~10 ms late at most
 
 
@@ -127,7 +129,13 @@ def measure(group: list[dict], command, env: dict, timeout: float, progress, par
                 out = open(os.path.join(folder, f"{index}.out"), "w+", encoding="utf-8")  # noqa: SIM115
                 outputs.append(out)
                 processes.append(
-                    subprocess.Popen(command(spec), stdout=out, stderr=subprocess.STDOUT, env=env)
+                    subprocess.Popen(
+                        command(spec),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        preexec_fn=dies_with_this_process(),  # a SIGKILLed bench leaves no cell behind
+                    )
                 )
                 progress(f"  warming up {describe(cell)} ...")
                 _await(os.path.join(folder, f"{index}.ready"), processes[-1], describe(cell), timeout)

@@ -35,6 +35,7 @@ import time
 from tfmp import run_dir
 from tfmp.bench import engine_vs_fit, matrix, memory, onednn, rounds, schema
 from tfmp.bench import report as bench_report
+from tfmp.distribute.workers import dies_with_this_process
 
 MEMORY_NOTE = (
     "peak_memory_mb: TensorFlow's allocator peak of live tensors during the timed steps "
@@ -83,6 +84,7 @@ def measure(cell: dict, timeout: float) -> dict:
         text=True,
         timeout=timeout,
         env=dict(_environment(), **(onednn.ENVIRONMENT if study else {})),
+        preexec_fn=dies_with_this_process(),  # a SIGKILLed bench leaves no cell behind
     )
     result = parse_result(completed.stdout)
     if study and result is not None:

@@ -64,6 +64,24 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def dies_with_this_process(cpus: list[int] | None = None):
+    """A `preexec_fn` for a child that must not outlive this process: the kernel sends it SIGKILL
+    when this process dies, even by SIGKILL (PR_SET_PDEATHSIG), and it exits at once if this
+    process died before that took effect; `cpus` pins it. None where Linux's prctl is missing."""
+    if _prctl is None:
+        return None
+    parent = os.getpid()
+
+    def prepare():  # runs in the child, between fork and exec
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGKILL)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return prepare
+
+
 class Worker:
     def __init__(self, index: int, command: list[str], env: dict, cpus: list[int] | None = None):
         self.index = index
@@ -72,15 +90,6 @@ class Worker:
         self._silenced = False
         self.error: str | None = None  # the message of its `error: ...` line, not printed
         self.last_line: str | None = None  # the last non-empty line it printed
-        launcher = os.getpid()
-
-        def prepare():  # runs in the child before exec
-            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != launcher:  # the launcher died before prctl took effect
-                os._exit(128 + signal.SIGKILL)
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         self.process = subprocess.Popen(
             command,
             env=env,
@@ -88,7 +97,7 @@ class Worker:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            preexec_fn=prepare if _prctl else None,
+            preexec_fn=dies_with_this_process(cpus),
         )
         self.printer = threading.Thread(target=self._print, daemon=True)
         self.printer.start()
