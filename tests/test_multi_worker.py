@@ -146,6 +146,7 @@ def test_app_goes_multi_worker_under_the_launcher_and_prunes_identically(tmp_pat
     assert "Traceback" not in result.stdout + result.stderr
     assert _digest(summaries[0]) == _digest(summaries[1])  # same weights, so the same masks
     assert "sparsity 0.50" in summaries[0] and "sparsity 0.50" in summaries[1]
+    assert re.search(r"size [0-9.]+ MB \(gzip [0-9.]+ MB\), weights [0-9a-f]{12}", summaries[0]), summaries[0]
     model = keras.models.load_model(tmp_path / "runs" / runs[0] / "model.keras", compile=False)
     first = model.get_layer("mnist_mlp_dense1").kernel.numpy()
     assert np.mean(first == 0) == pytest.approx(0.5, abs=0.02)

@@ -390,7 +390,7 @@ def _summary(config, plan, model, engine, result, model_dir, task, pruner=None) 
         ),
         "weights_gzip_bytes": _weights_gzip_bytes(model) if pruner else None,
     }
-    size = f"weights {summary['weights_bytes'] / 1e6:.2f} MB"
+    size = f"size {summary['weights_bytes'] / 1e6:.2f} MB"
     if pruner:
         size += f" (gzip {summary['weights_gzip_bytes'] / 1e6:.2f} MB)"
     speed = f"{summary['examples_per_sec']:.0f}" if summary["examples_per_sec"] else "n/a"
