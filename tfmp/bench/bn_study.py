@@ -48,6 +48,7 @@ import keras
 import tensorflow as tf
 
 from tfmp import precision
+from tfmp.bench import live_memory
 from tfmp.bench.studies import ATTENTION, BATCH_NORMALIZATION, DENSE_GELU, GELU, study_layer_name
 
 MIN_TIMING_SECONDS = 0.2  # one timed batch of calls: well above timer and dispatch noise
@@ -102,14 +103,10 @@ def _forward_backward(
     return step, tf.function(lambda images: apply(images, training=True))
 
 
-def _device() -> str:
-    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-
-
 def _live_peak_mb(step, arguments) -> float:
-    tf.config.experimental.reset_memory_stats(_device())
+    live_memory.reset()
     step(*arguments).numpy()
-    return tf.config.experimental.get_memory_info(_device())["peak"] / 2**20
+    return live_memory.peak_mb()
 
 
 def kept_mb(forward, inputs) -> float:
@@ -121,9 +118,9 @@ def kept_mb(forward, inputs) -> float:
     for _ in range(2):  # the first call traces the forward with its gradient's side outputs
         with tf.GradientTape() as tape:
             tape.watch(inputs)
-            before = tf.config.experimental.get_memory_info(_device())["current"]
+            before = live_memory.current_bytes()
             outputs = forward(inputs)
-            kept = tf.config.experimental.get_memory_info(_device())["current"] - before
+            kept = live_memory.current_bytes() - before
         del tape, outputs
     return kept / 2**20
 
@@ -184,5 +181,5 @@ def measure(
         "fused_peak_memory_mb": peaks["fused"],
         "keras_kept_mb": kept["keras"],
         "fused_kept_mb": kept["fused"],
-        "peak_memory_source": _device()[:3].lower(),
+        "peak_memory_source": live_memory.source(),
     }

@@ -39,7 +39,6 @@ import functools
 import json
 import math
 import os
-import resource
 import statistics
 import sys
 import time
@@ -51,9 +50,11 @@ from tfmp import models, precision
 from tfmp.bench import (
     bn_study,
     engine_vs_fit,
+    gradient_sums,
     input_cost,
     keras_models,
     layer_profile,
+    live_memory,
     pipeline_2d,
     python_threads,
     rounds,
@@ -65,7 +66,6 @@ from tfmp.bench import pipeline as bench_pipeline
 from tfmp.bench.matrix import RESULT_PREFIX
 from tfmp.classification import data
 from tfmp.detection import faster_rcnn, retinanet
-from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.precision import probe
 from tfmp.training.engine import Engine
@@ -118,69 +118,8 @@ def _engine_executions(cell, strategy, engine, dataset_fn):
     return executions
 
 
-def _allreduce_plan(cell, strategy, model, optimizer) -> allreduce.Plan:
-    """How the cell's gradients are summed: its `allreduce_dtype` and `allreduce_bucket_bytes`
-    (None, one device: auto and the default buckets)."""
-    bucket_bytes = cell.get("allreduce_bucket_bytes")
-    return allreduce.resolve(
-        cell.get("allreduce_dtype") or "auto",
-        model.dtype_policy.name,
-        isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
-        strategy.num_replicas_in_sync,
-        allreduce.DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
-    )
-
-
-def _collective_seconds(
-    strategy, model, plan: allreduce.Plan, calls: int = 20, repeats: int = 5
-) -> float | None:
-    """Seconds one step's gradient all-reduce takes alone: zeros shaped like the trainable
-    variables, summed with `plan` `calls` times in one traced call, median of `repeats`. What
-    the backward pass does not hide of it is at most this; None on one replica."""
-    if strategy.num_replicas_in_sync == 1:
-        return None
-    shapes = [variable.shape for variable in model.trainable_variables]
-
-    def replica():
-        context = tf.distribute.get_replica_context()
-        allreduce.all_reduce(context, [tf.zeros(shape) for shape in shapes], plan)
-
-    @tf.function
-    def sum_gradients():
-        # As the engine's loop: strategy.run inside tf.range (an all-reduce cannot sit in a
-        # replica function's own loop under MirroredStrategy).
-        for _ in tf.range(calls):
-            strategy.run(replica)
-        return tf.constant(0.0)
-
-    sum_gradients()  # traces and warms up the collectives
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        sum_gradients().numpy()
-        times.append((time.perf_counter() - started) / calls)
-    return statistics.median(times)
-
-
-def _gradient_sums(cell, strategy, model, optimizer) -> dict:
-    """What the cell's all-reduce sends per step and replica, and how long it takes alone."""
-    plan = _allreduce_plan(cell, strategy, model, optimizer)
-    summed = strategy.num_replicas_in_sync > 1 and cell["kind"] == "engine" and cell["mode"] == "train"
-    return {
-        "allreduce_dtype": plan.dtype if summed else None,
-        "allreduce_bucket_bytes": plan.bucket_bytes if summed else None,
-        "allreduce_buckets": len(allreduce.buckets(model.trainable_variables, plan.dtype, plan.bucket_bytes))
-        if summed
-        else 0,
-        "gradient_bytes_per_step": allreduce.gradient_bytes(model.trainable_variables, plan.dtype)
-        if summed
-        else 0,
-        "collective_seconds_per_step": _collective_seconds(strategy, model, plan) if summed else None,
-    }
-
-
 def _time_engine(cell, strategy, model, optimizer, dataset_fn, timer):
-    plan = _allreduce_plan(cell, strategy, model, optimizer)
+    plan = gradient_sums.plan_for(cell, strategy, model, optimizer)
     engine = Engine(strategy, model, optimizer, xla=cell["xla"], allreduce_plan=plan)
     return timer(_engine_executions(cell, strategy, engine, dataset_fn))
 
@@ -203,7 +142,7 @@ def _time_paired(cell, strategy, model, optimizer, dataset_fn):
     real = _engine_executions(cell, strategy, engine, functools.partial(dataset_fn, synthetic=False))
     warmup = synthetic(cell["warmup_executions"])
     real(cell["warmup_executions"])
-    _start_live_peak()
+    live_memory.reset()
     count = _executions_per_repeat(cell, warmup[-1])
     timed = {synthetic: [], real: []}
     for index in range(cell["repeats"]):
@@ -247,7 +186,7 @@ def _time_fit(cell, strategy, model, optimizer, dataset_fn, timer):
         dataset, steps_per_epoch=cell["steps_per_execution"] * cell["warmup_executions"], epochs=1, verbose=0
     )
     count = _executions_per_repeat(cell, (time.perf_counter() - started) / cell["warmup_executions"])
-    _start_live_peak()
+    live_memory.reset()
     epoch_times = []
     in_rounds = bool(cell.get("rounds_dir"))
     if in_rounds:
@@ -289,7 +228,7 @@ def _timer(cell):
 
     def run(executions):
         warmup = executions(cell["warmup_executions"])
-        _start_live_peak()
+        live_memory.reset()
         count = _executions_per_repeat(cell, warmup[-1])
         if not cell.get("rounds_dir"):
             return [executions(count) for _ in range(cell["repeats"])]
@@ -414,7 +353,7 @@ def _measure_training(cell: dict) -> dict:
         "multi_worker" if multi_worker else ("mirrored" if replicas > 1 else "default")
     )
     policy = precision.resolve(cell["precision"]).policy
-    before_model = _peak_host_memory_mb()  # TensorFlow's runtime and Python, no model yet
+    before_model = live_memory.process_peak_mb()  # TensorFlow's runtime and Python, no model yet
     model, optimizer, dataset_fn, image_shape = workloads.setup_for(cell["model"])(cell, strategy, policy)
     paired_input = None
     if is_paired(cell):
@@ -430,12 +369,12 @@ def _measure_training(cell: dict) -> dict:
         "replicas": strategy.num_replicas_in_sync,
         "workers": distribute.describe(strategy).workers,
         **_speed(cell, model, repeats),
-        **_memory(before_model),
-        "variables_mb": _variables_mb(model, optimizer),
+        **live_memory.figures(before_model),
+        "variables_mb": live_memory.variables_mb(model, optimizer),
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
         "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
         "paired_input": paired_input,
-        **_gradient_sums(cell, strategy, model, optimizer),
+        **gradient_sums.measure(cell, strategy, model, optimizer),
     }
     result["examples_per_sec_per_replica"] = result["examples_per_sec"] / result["replicas"]
     return result
@@ -474,48 +413,6 @@ def _speed(cell: dict, model, repeats: list[list[float]]) -> dict:
         "step_time_p90": step_times[min(len(step_times) - 1, int(0.9 * len(step_times)))],
         "flops_per_step": flops_per_step,
         "flops_per_sec": flops_per_step / median_step,
-    }
-
-
-def _peak_host_memory_mb() -> float:
-    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _allocator_devices() -> list[str]:
-    """Where TensorFlow's allocators count live tensors: each GPU, or the one CPU allocator
-    (logical CPU devices share it: its figure is every replica's together)."""
-    gpus = tf.config.list_logical_devices("GPU")
-    return [f"GPU:{index}" for index in range(len(gpus))] or ["CPU:0"]
-
-
-def _variables_mb(model, optimizer) -> float:
-    """MiB of the model's variables and the optimizer's (slots, step, loss scale): what the live
-    peak holds whatever the batch. One replica's copy of each variable."""
-    variables = {id(v): v for v in [*model.variables, *optimizer.variables]}.values()
-    return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in variables) / 2**20
-
-
-def _start_live_peak() -> None:
-    """After the warm-up: the live peak counts the timed steps (what is allocated now, weights
-    and slots, plus what the steps add), not tracing or compiling."""
-    for device in _allocator_devices():
-        tf.config.experimental.reset_memory_stats(device)
-
-
-def _memory(before_model_mb: float) -> dict:
-    """Peak memory of this cell's timed steps: TensorFlow allocator's peak of live tensors
-    (weights, slots, activations, workspaces: what a bigger batch runs out of), per GPU or of
-    the CPU allocator; and the process's peak resident memory, which also counts the runtime,
-    Python and pages malloc keeps after a free (`host_memory_before_model_mb` is its base)."""
-    live = [tf.config.experimental.get_memory_info(device)["peak"] / 2**20 for device in _allocator_devices()]
-    gpus = bool(tf.config.list_logical_devices("GPU"))
-    return {
-        "peak_memory_mb": max(live),
-        "peak_memory_source": "gpu" if gpus else "cpu",
-        "peak_host_memory_mb": _peak_host_memory_mb(),
-        "host_memory_before_model_mb": before_model_mb,
-        "peak_gpu_memory_mb": live if gpus else [],
     }
 
 

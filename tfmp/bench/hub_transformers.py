@@ -22,8 +22,8 @@ memory and with Adam (1e-3) to measure accuracy:
   (padding_mask 0); the label is the marker's class. Bag-of-words learnable, through attention.
 
 Memory ("mode": "memory"): `warmup` steps of `tfmp.fit`, then TensorFlow's allocator statistics
-reset (`tf.config.experimental.reset_memory_stats`, as `tfmp.bench.cell` after its warm-up) and
-`steps` more; the cell's live peak is `get_memory_info("CPU:0")["peak"]` after them: weights,
+reset (`tfmp.bench.live_memory`, as `tfmp.bench.cell` after its warm-up) and `steps` more; the
+cell's live peak is the largest device's allocator peak after them (`live_memory.peak_mb`): weights,
 optimizer slots and what one step holds at once. `TF_CPU_ALLOCATOR_USE_BFC=true` (set here, as
 `tfmp.bench.runner` does) keeps that statistic on CPU. The data (a few batches) are in memory
 before the reset. Accuracy ("mode": "accuracy"): `train_steps` steps at `batch`, then the
@@ -43,9 +43,8 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow s
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-from tfmp.bench import keras_models, runner  # noqa: E402
+from tfmp.bench import keras_models, live_memory, runner  # noqa: E402
 from tfmp.bench.matrix import RESULT_PREFIX  # noqa: E402
 from tfmp.classification import data  # noqa: E402
 from tfmp.precision.fused_norm import fuse_normalization  # noqa: E402
@@ -115,7 +114,7 @@ class _LivePeak(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if batch == self.warmup:
-            tf.config.experimental.reset_memory_stats("CPU:0")
+            live_memory.reset()
 
 
 def _build(cell: dict):
@@ -171,9 +170,8 @@ def measure(cell: dict) -> dict:
     result = {**cell, "fused_layers": len(report.fused) if report else 0, "loss": history.history["loss"][-1]}
     result["left_alone"] = [list(item) for item in report.left_alone] if report else []
     if cell["mode"] == "memory":
-        result["peak_memory_mb"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20
-        variables = {id(v): v for v in [*model.variables, *model.optimizer.variables]}.values()
-        result["variables_mb"] = sum(v.numpy().nbytes for v in variables) / 2**20
+        result["peak_memory_mb"] = live_memory.peak_mb()
+        result["variables_mb"] = live_memory.variables_mb(model, model.optimizer)
     else:
         result["accuracy"] = _held_out_accuracy(cell, model)
     return result
