@@ -26,6 +26,8 @@ from tfmp.training.plan import XLA_CHOICES, default_model_dir
 from tfmp.training.run import flag_values, train_and_evaluate
 
 FLAGS = flags.FLAGS
+# The recipe knobs' flags default to the plain values (`--recipe=none`), defined once in the library.
+PLAIN = recipes.NONE_VALUES
 
 # Strings, not enums: tfmp validates them itself so every mistake gets the same one-line error.
 flags.DEFINE_string("model", "seed_cnn", f"Model builder: {', '.join(MODELS)}.")
@@ -44,39 +46,59 @@ flags.DEFINE_string(
     f"Training recipe for the flags you leave unset: auto (the model's own), {', '.join(recipes.RECIPES)} "
     "(docs/recipes.md).",
 )
-flags.DEFINE_bool("augment", False, "Random flips and crops on training images.")
-flags.DEFINE_integer("randaugment_ops", 0, "RandAugment: image ops per training image (0: off; DeiT: 2).")
-flags.DEFINE_float("randaugment_magnitude", 9.0, "RandAugment: the ops' strength from 0 to 10 (DeiT: 9).")
-flags.DEFINE_float("mixup_alpha", 0.0, "Mixup's Beta(alpha, alpha) on training batches (0: off; DeiT: 0.8).")
-flags.DEFINE_float(
-    "cutmix_alpha", 0.0, "CutMix's Beta(alpha, alpha) on training batches (0: off; DeiT: 1.0)."
+flags.DEFINE_bool("augment", PLAIN["augment"], "Random flips and crops on training images.")
+flags.DEFINE_integer(
+    "randaugment_ops",
+    PLAIN["randaugment_ops"],
+    "RandAugment: image ops per training image (0: off; DeiT: 2).",
 )
 flags.DEFINE_float(
-    "stochastic_depth", 0.0, "Residual-branch drop rate of the last block, linear from 0 (ViTs; DeiT: 0.1)."
+    "randaugment_magnitude",
+    PLAIN["randaugment_magnitude"],
+    "RandAugment: the ops' strength from 0 to 10 (DeiT: 9).",
+)
+flags.DEFINE_float(
+    "mixup_alpha", PLAIN["mixup_alpha"], "Mixup's Beta(alpha, alpha) on training batches (0: off; DeiT: 0.8)."
+)
+flags.DEFINE_float(
+    "cutmix_alpha",
+    PLAIN["cutmix_alpha"],
+    "CutMix's Beta(alpha, alpha) on training batches (0: off; DeiT: 1.0).",
+)
+flags.DEFINE_float(
+    "stochastic_depth",
+    PLAIN["stochastic_depth"],
+    "Residual-branch drop rate of the last block, linear from 0 (ViTs; DeiT: 0.1).",
 )
 flags.DEFINE_bool("cache", False, "Cache decoded examples in memory after the first epoch.")
-flags.DEFINE_integer("epochs", 3, "Training epochs (ignored when --steps > 0).")
+flags.DEFINE_integer("epochs", PLAIN["epochs"], "Training epochs (ignored when --steps > 0).")
 flags.DEFINE_integer("steps", 0, "Total training steps; overrides --epochs when > 0.")
 flags.DEFINE_integer("steps_per_epoch", 0, "Steps per epoch; 0 means train examples // global batch.")
 flags.DEFINE_integer("global_batch_size", 64, "Global batch over all replicas and workers.")
-flags.DEFINE_string("optimizer", "adam", f"One of {', '.join(optim.OPTIMIZERS)}.")
-flags.DEFINE_float("learning_rate", 1e-3, "Base learning rate, for --reference_batch_size.")
-flags.DEFINE_float("weight_decay", 0.0, "Decoupled weight decay of the optimizer.")
+flags.DEFINE_string("optimizer", PLAIN["optimizer"], f"One of {', '.join(optim.OPTIMIZERS)}.")
+flags.DEFINE_float("learning_rate", PLAIN["learning_rate"], "Base learning rate, for --reference_batch_size.")
+flags.DEFINE_float("weight_decay", PLAIN["weight_decay"], "Decoupled weight decay of the optimizer.")
 flags.DEFINE_bool(
     "exclude_from_weight_decay",
-    False,
+    PLAIN["exclude_from_weight_decay"],
     "No weight decay on normalization scales and offsets, biases, embeddings and tokens (DeiT, timm).",
 )
 flags.DEFINE_float(
-    "label_smoothing", 0.0, "Classification: the share of each label spread over all classes (DeiT: 0.1)."
+    "label_smoothing",
+    PLAIN["label_smoothing"],
+    "Classification: the share of each label spread over all classes (DeiT: 0.1).",
 )
 flags.DEFINE_string(
-    "lr_scaling", "none", "Scale the learning rate with the global batch: none, linear, sqrt."
+    "lr_scaling", PLAIN["lr_scaling"], "Scale the learning rate with the global batch: none, linear, sqrt."
 )
-flags.DEFINE_integer("reference_batch_size", 256, "Batch size the base learning rate was tuned for.")
+flags.DEFINE_integer(
+    "reference_batch_size", PLAIN["reference_batch_size"], "Batch size the base learning rate was tuned for."
+)
 flags.DEFINE_integer("warmup_steps", 0, "Linear learning-rate warmup steps.")
-flags.DEFINE_float("warmup_epochs", 0.0, "Linear warmup in epochs, when --warmup_steps is 0.")
-flags.DEFINE_string("lr_decay", "constant", f"After warmup: {', '.join(optim.DECAYS)}.")
+flags.DEFINE_float(
+    "warmup_epochs", PLAIN["warmup_epochs"], "Linear warmup in epochs, when --warmup_steps is 0."
+)
+flags.DEFINE_string("lr_decay", PLAIN["lr_decay"], f"After warmup: {', '.join(optim.DECAYS)}.")
 flags.DEFINE_string("precision", "float32", f"Policy: {', '.join(precision.CHOICES)}.")
 flags.DEFINE_bool("mixed", False, "Best mixed policy for this hardware (same as --precision=mixed).")
 flags.DEFINE_string(
@@ -117,7 +139,7 @@ flags.DEFINE_integer(
     allreduce.DEFAULT_BUCKET_BYTES,
     "Gradients all-reduced per call, in bytes, last layers first (overlaps the backward pass); 0: one call.",
 )
-flags.DEFINE_string("xla", "auto", f"XLA-compile forward+backward: {', '.join(XLA_CHOICES)}.")
+flags.DEFINE_string("xla", PLAIN["xla"], f"XLA-compile forward+backward: {', '.join(XLA_CHOICES)}.")
 flags.DEFINE_integer("steps_per_execution", 1, "Training steps per host call.")
 flags.DEFINE_string(
     "model_dir", None, "Checkpoints, logs, run card and model; resumes if it holds a checkpoint."

@@ -171,7 +171,8 @@ VIT_TINY = Recipe(
     "augmentation and epochs measured on the built-in shapes (docs/recipes.md)",
 )
 
-# The flags' plain defaults of every knob (what `--recipe=none` trains with in the apps).
+# Every knob's plain value: what `--recipe=none` trains with, and the apps' flags' defaults
+# (apps/common.py defines them from here).
 NONE_VALUES = {
     "optimizer": "adam",
     "learning_rate": 1e-3,
