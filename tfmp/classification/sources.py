@@ -119,7 +119,7 @@ def tfds(spec, name, split, size, data_dir, verify):
     image_feature = features[image_key]
 
     def examples(file_shard_context, shuffle_seed):
-        # Images stay encoded (SkipDecoding) until after shuffle/skip; see module docstring.
+        # Images stay encoded (SkipDecoding) until after shuffle/skip; see `tfmp.classification.data` (pipeline order).
         decoders = {image_key: tfds.decode.SkipDecoding()}
         return tfds_reader.read(
             name, tfds_split, data_dir, file_shard_context, shuffle_seed, decoders, as_supervised=True
