@@ -72,12 +72,11 @@ def variables_mb(model, optimizer) -> float:
 def figures(before_model_mb: float) -> dict:
     """A cell's memory fields (`tfmp.bench.schema`): the live peak of its timed steps and the
     process's resident peak, whose base `before_model_mb` was read before the model was built."""
-    live = peaks_mb()
-    gpus = source() == "gpu"
+    live, allocator = peaks_mb(), source()
     return {
         "peak_memory_mb": max(live),
-        "peak_memory_source": source(),
+        "peak_memory_source": allocator,
         "peak_host_memory_mb": process_peak_mb(),
         "host_memory_before_model_mb": before_model_mb,
-        "peak_gpu_memory_mb": live if gpus else [],
+        "peak_gpu_memory_mb": live if allocator == "gpu" else [],
     }
