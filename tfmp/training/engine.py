@@ -47,7 +47,6 @@ does what Keras' own `train_step` does, so the numbers are Keras' numbers:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 
 import keras
@@ -58,28 +57,9 @@ from tfmp import compat, precision
 from tfmp.distribute import allreduce
 from tfmp.distribute import strategies as distribute
 from tfmp.errors import UsageError
+from tfmp.training import step_status
 from tfmp.training.model_steps import OwnSteps, metrics_or_logs, overridden
-
-# Status slots, summed over replicas and steps: replica-steps with non-finite loss or gradients;
-# steps run while a worker asked to stop; replicas that stopped training, and the sum of their
-# (1 + the host call's step they stopped at: one step, as nothing runs after it); then the
-# replicas whose features, labels, sample weights were not finite in that step.
-_NONFINITE, _STOPS, _HALTING, _HALTED_AT = 0, 1, 2, 3
-_INPUTS = ("features", "labels", "sample weights")
-_SLOTS = 4 + len(_INPUTS)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """What one host call of training reports."""
-
-    metrics: dict  # the model's metrics since the last reset, over all replicas and workers
-    nonfinite_steps: float  # replica-steps whose loss or summed gradients were not finite (an
-    # overflow anywhere counts on every replica: the sums are alike)
-    stop_requests: float  # > 0 when any worker asked to stop (preemption); not a count
-    halted_at: int = 0  # 1 + the call's step that stopped training (not applied, nor any after); 0: none
-    nonfinite_inputs: tuple = ()  # which of "features", "labels", "sample weights" of that step were not finite
-    skipped_in_a_row: int | None = None  # dynamic loss scaling: steps skipped in a row up to now
+from tfmp.training.step_status import StepResult
 
 
 def _unpack(data):
@@ -146,7 +126,7 @@ class Engine:
             self.optimizer.build(model.trainable_variables)
         with strategy.scope():
             self._status = tf.Variable(
-                tf.zeros([_SLOTS], tf.float32),
+                tf.zeros([step_status.SLOTS], tf.float32),
                 trainable=False,
                 name="engine_status",
                 synchronization=tf.VariableSynchronization.ON_READ,
@@ -187,7 +167,7 @@ class Engine:
 
     def note_stop_request(self, stop_requested) -> None:
         """A replica counts this worker's stop request (SIGTERM) into the status every worker reads."""
-        self._status.assign_add(tf.one_hot(_STOPS, _SLOTS) * tf.cast(stop_requested, tf.float32))
+        self._status.assign_add(step_status.stop_request_row(stop_requested))
 
     def _forward_fn(self, x, training):
         return self.model(x, training=training)
@@ -241,12 +221,12 @@ class Engine:
         replicas' sums already: an overflow in a sum is non-finite on every replica alike."""
         # The loss alone can look finite when the gradients are not (cross-entropy clips NaN
         # probabilities), so the verdict checks the gradients themselves.
-        finite = _all_finite([g for g in gradients if g is not None] + [loss])
+        finite = step_status.finite([g for g in gradients if g is not None] + [loss])
         # Only a step that is not finite pays for a look at its inputs (a tf.cond: nothing else).
         inputs = tf.cond(
             finite,
-            lambda: tf.zeros([len(_INPUTS)]),
-            lambda: _nonfinite_inputs((x, y, sample_weight)),
+            lambda: tf.zeros([len(step_status.INPUTS)]),
+            lambda: step_status.nonfinite_inputs((x, y, sample_weight)),
         )
         nonfinite_here = 1.0 - tf.cast(finite, tf.float32)
         # Without a loss scaler a non-finite step would be applied: the update waits for the verdict.
@@ -258,14 +238,7 @@ class Engine:
         stops = tf.reduce_any(bad_inputs) if self.loss_scaling else nonfinite
         self._track(loss, _rows(x), finite & tf.logical_not(stops), x, y, y_pred, sample_weight)
         self._status.assign_add(
-            tf.concat(
-                [
-                    [nonfinite_here, tf.cast(stop_requested, tf.float32), tf.where(stops, 1.0, 0.0)],
-                    [tf.where(stops, tf.cast(offset, tf.float32) + 1.0, 0.0)],
-                    tf.where(stops & bad_inputs, 1.0, 0.0),
-                ],
-                axis=0,
-            )
+            step_status.step_row(nonfinite_here, stop_requested, stops, offset, bad_inputs)
         )
         if apply:
             if self.loss_scaling:
@@ -329,7 +302,7 @@ class Engine:
             # several workers every replica holds the agreed verdict. (The stop request rides on
             # a SUM-on-read variable: no extra collective per step.)
             local = self.strategy.experimental_local_results(self._status)
-            return offset + 1, tf.add_n([status[_HALTING] for status in local]) > 0
+            return offset + 1, tf.add_n([status[step_status.HALTING] for status in local]) > 0
 
         tf.while_loop(
             lambda offset, halted: (offset < num_steps) & tf.logical_not(halted),
@@ -435,16 +408,8 @@ class Engine:
         metrics, status, skipped = self._read()
         if self._owns("train_step"):
             metrics = metrics_or_logs(metrics, python_logs(logs))
-        self._status.assign(tf.zeros([_SLOTS], tf.float32))
-        halting = float(status[_HALTING])
-        return StepResult(
-            metrics,
-            float(status[_NONFINITE]),
-            float(status[_STOPS]),
-            halted_at=round(float(status[_HALTED_AT]) / halting) if halting else 0,
-            nonfinite_inputs=tuple(name for name, count in zip(_INPUTS, status[_HALTED_AT + 1 :]) if count),
-            skipped_in_a_row=skipped if skipped >= 0 else None,
-        )
+        self._status.assign(tf.zeros([step_status.SLOTS], tf.float32))
+        return step_status.result(metrics, status, skipped)
 
     def infer(self, iterator, num_steps: int) -> dict:
         """Forward passes only (inference throughput): `num_steps` batches in one call."""
@@ -499,28 +464,6 @@ def python_logs(logs: dict) -> dict:
         array = np.asarray(value)
         values[name] = float(array.reshape(())) if array.size == 1 else array
     return values
-
-
-def _all_finite(tensors) -> tf.Tensor:
-    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(tensor)) for tensor in tensors])
-
-
-def _nonfinite_inputs(inputs) -> tf.Tensor:
-    """1.0 per part of (features, labels, sample weights) holding a NaN or inf, else 0.0."""
-    flags = []
-    for part in inputs:
-        tensors = [_dense_values(tensor) for tensor in tf.nest.flatten(part) if tensor is not None]
-        floating = [tensor for tensor in tensors if tensor.dtype.is_floating]
-        flags.append(tf.where(_all_finite(floating), 0.0, 1.0) if floating else tf.constant(0.0))
-    return tf.stack(flags)
-
-
-def _dense_values(tensor):
-    if isinstance(tensor, tf.RaggedTensor):
-        return tensor.flat_values
-    if isinstance(tensor, tf.SparseTensor):
-        return tensor.values
-    return tensor
 
 
 def _worker_local_variables(strategy, model: keras.Model, optimizer) -> bool:
