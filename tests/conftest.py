@@ -19,13 +19,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # change from day to day): the tests and the apps they start make the same choice everywhere.
 # tests/test_precision_probe.py measures on purpose.
 os.environ["TFMP_PRECISION_PROBE"] = "off"
-# XLA cells compile the same HLO with LLVM's optimisation passes off: 2.5x faster compiles (the
-# mirrored detector cell: 51 s -> 20 s), slower code, which tests of 1-3 steps do not notice.
-# Inherited by every process the tests start; apps and apps.bench keep XLA's default level.
+# XLA cells compile the same HLO faster, into slower code that tests of 1-3 steps do not notice:
+# LLVM's optimisation passes off (the mirrored detector cell: 51 s -> 20 s), and XLA:CPU's
+# older LLVM IR emitters in place of its MLIR fusion emitters (that cell again: 41-45 -> 29
+# CPU-s). Inherited by every process the tests start; apps and apps.bench keep XLA's defaults.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    ).strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
