@@ -34,7 +34,7 @@ from apps import cli
 from tfmp import run_dir
 from tfmp.errors import UsageError
 from tfmp.input import decoding, image_files
-from tfmp.serving import predictors, trust
+from tfmp.serving import artifacts, trust
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Run dir, export dir, SavedModel dir, .tflite or .keras file.")
@@ -94,10 +94,10 @@ def main(argv):
             "max_image_pixels",
         )
     }
-    kind = predictors.KINDS[predictors.kind_of(FLAGS.model)]  # a malformed export.json: one line
-    saved_model = predictors.saved_model_dir(FLAGS.model)
+    kind = artifacts.KINDS[artifacts.kind_of(FLAGS.model)]  # a malformed export.json: one line
+    saved_model = artifacts.saved_model_dir(FLAGS.model)
     if saved_model:  # said once, before the graph runs; refused here when untrusted
-        metadata = predictors.saved_model_metadata(saved_model)
+        metadata = artifacts.saved_model_metadata(saved_model)
         print(trust.check(saved_model, metadata, FLAGS.trust_saved_model), file=sys.stderr, flush=True)
     for record in kind.predict_files(FLAGS.model, images, settings):
         print(json.dumps(record), flush=True)

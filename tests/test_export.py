@@ -28,7 +28,7 @@ from tfmp.bench import inference as bench_inference
 from tfmp.classification import data
 from tfmp.detection.retinanet import build_detector
 from tfmp.errors import UsageError
-from tfmp.serving import copies, detector, export, predictors
+from tfmp.serving import artifacts, copies, detector, export
 from tfmp.serving.layers import FoldedBatchNorm
 
 IMAGE_SIZE, EVAL_IMAGES = 16, 128
@@ -412,13 +412,13 @@ def test_predicting_files_with_a_detector_export_goes_through_its_registered_kin
     """What apps.predict does with --model=RUN/export/float32: export.json names the kind, the
     detector kind decodes the SavedModel's NMS output and draws the boxes."""
     export_dir = os.path.join(detector_exported["run_dir"], "export", "float32")
-    assert predictors.kind_of(export_dir) == "detector"
-    assert predictors.kind_of(detector_exported["run_dir"]) == "detector"
+    assert artifacts.kind_of(export_dir) == "detector"
+    assert artifacts.kind_of(detector_exported["run_dir"]) == "detector"
     image = np.random.default_rng(7).uniform(size=(48, 40, 3))  # not the input size: fit + pad
     png = tmp_path / "noise.png"
     png.write_bytes(tf.io.encode_png(tf.image.convert_image_dtype(image, tf.uint8, saturate=True)).numpy())
     settings = {"score_threshold": 0.05, "output_dir": str(tmp_path / "out")}
-    (record,) = predictors.KINDS["detector"].predict_files(export_dir, [str(png)], settings)
+    (record,) = artifacts.KINDS["detector"].predict_files(export_dir, [str(png)], settings)
     assert record["model_format"] == "saved_model" and os.path.isfile(record["png"])
     for found in record["detections"]:
         assert found["score"] >= 0.05 and all(0.0 <= value <= 48.0 for value in found["box"])
@@ -460,7 +460,7 @@ def test_serving_imports_form_no_cycle_and_none_hides_in_a_function():
             )
     kinds = {"tfmp.serving.classifier", "tfmp.serving.detector", "tfmp.serving.two_stage"}
     assert not kinds & (graph["tfmp.serving.export"] | graph["tfmp.serving.predictors"])
-    assert list(export.KINDS) == list(predictors.KINDS) == ["classifier", "detector", "two_stage_detector"]
+    assert list(export.KINDS) == list(artifacts.KINDS) == ["classifier", "detector", "two_stage_detector"]
 
 
 def test_batch_norm_folding_reads_the_graph_from_the_public_config():

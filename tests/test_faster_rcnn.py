@@ -16,7 +16,7 @@ from PIL import Image
 
 from tfmp import precision
 from tfmp.detection import boxes, data, faster_rcnn, proposals, rcnn_losses, rcnn_task, roi_align
-from tfmp.serving import predictors
+from tfmp.serving import artifacts
 from tfmp.training.engine import Engine
 
 SIZE, CLASSES = 64, 6
@@ -337,9 +337,9 @@ def test_app_on_two_launched_workers_trains_mixed_identically_then_exports_and_p
     # predict mode, `tfmp.detection.predict.predict_files`: what `apps.detect --predict` prints
     # (that flag's handling: test_detect_app's RetinaNet app test).
     for model, score_threshold in ((export_dir, 0.05), (run, 0.0)):
-        kind = predictors.kind_of(str(model))
+        kind = artifacts.kind_of(str(model))
         settings = {"score_threshold": score_threshold, "output_dir": str(tmp_path / kind / model.name)}
-        (drawn,) = predictors.KINDS[kind].predict_files(str(model), [str(picture)], settings)
+        (drawn,) = artifacts.KINDS[kind].predict_files(str(model), [str(picture)], settings)
         assert kind == "two_stage_detector" and Image.open(drawn["png"]).size == (100, 80)  # the original's
     # `drawn` is now the run's record, which has the predict mode's dtypes.
     assert drawn["boxes_dtype"] == "float32" and drawn["scores_dtype"] == "float32"

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tfmp.detection import faster_rcnn
 from tfmp.errors import UsageError
-from tfmp.serving import copies, export, predictors, two_stage
+from tfmp.serving import artifacts, copies, export, predictors, two_stage
 
 SIZE, CLASSES, NAME = 64, 3, "faster_rcnn_tiny"
 # The float32 export's, above the model's 0.05 and below its 100: the untrained model's top 100
@@ -176,7 +176,7 @@ def test_run_dirs_of_faster_rcnn_are_a_two_stage_kind_and_unknown_models_still_r
     run.mkdir()
     exported["model"].save(run / "model.keras")
     (run / "flags.txt").write_text(f"--model={NAME}\n--dataset=shapes\n--image_size={SIZE}\n")
-    assert predictors.kind_of(str(run)) == "two_stage_detector"
+    assert artifacts.kind_of(str(run)) == "two_stage_detector"
     with pytest.raises(UsageError, match="^--formats=tflite: faster_rcnn_tiny needs CropAndResize"):
         export.export_run(str(run), ["tflite"])
     (run / "flags.txt").write_text("--model=someone_elses_net\n--dataset=shapes\n")
@@ -189,12 +189,12 @@ def test_predicting_files_with_a_faster_rcnn_export_draws_its_detections(exporte
     """What apps.predict does with --model=EXPORT_DIR: export.json names the kind, the SavedModel
     answers with its NMS output, the boxes are drawn on the original image."""
     export_dir = exported["reports"]["float32"]["directory"]
-    assert predictors.kind_of(export_dir) == "two_stage_detector"
+    assert artifacts.kind_of(export_dir) == "two_stage_detector"
     image = np.random.default_rng(7).uniform(size=(48, 40, 3))  # not the input size: fit + pad
     png = tmp_path / "noise.png"
     png.write_bytes(tf.io.encode_png(tf.image.convert_image_dtype(image, tf.uint8, saturate=True)).numpy())
     settings = {"score_threshold": SCORE_THRESHOLD, "output_dir": str(tmp_path / "out")}
-    (record,) = predictors.KINDS["two_stage_detector"].predict_files(export_dir, [str(png)], settings)
+    (record,) = artifacts.KINDS["two_stage_detector"].predict_files(export_dir, [str(png)], settings)
     assert record["model_format"] == "saved_model" and os.path.isfile(record["png"])
     assert record["detections"] and {found["name"] for found in record["detections"]} <= {
         "circle",
@@ -204,7 +204,7 @@ def test_predicting_files_with_a_faster_rcnn_export_draws_its_detections(exporte
     for found in record["detections"]:
         assert found["score"] >= SCORE_THRESHOLD and all(0.0 <= value <= 48.0 for value in found["box"])
     with pytest.raises(UsageError, match=r"--score_threshold=0.1 must be in \[0.28, 1\)"):
-        predictors.KINDS["two_stage_detector"].predict_files(export_dir, [str(png)], {"score_threshold": 0.1})
+        artifacts.KINDS["two_stage_detector"].predict_files(export_dir, [str(png)], {"score_threshold": 0.1})
 
 
 @pytest.mark.parametrize("precision", ["float16", "mixed"])

@@ -19,7 +19,7 @@ from tfmp.classification import data
 from tfmp.detection import shapes
 from tfmp.detection.retinanet import build_detector
 from tfmp.errors import UsageError
-from tfmp.serving import export, predictors
+from tfmp.serving import artifacts, export, predictors
 
 IMAGE_SIZE = 16
 
@@ -83,10 +83,10 @@ def test_undecodable_image_exits_2_with_one_line_and_no_predictions(run):
 
 
 def test_read_images_is_the_training_preprocessing(run):
-    pixels = predictors.read_images(run["pngs"], predictors.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3))
+    pixels = predictors.read_images(run["pngs"], artifacts.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3))
     assert pixels.dtype == np.float32 and pixels.shape == run["images"].shape
     assert np.abs(pixels - run["images"]).max() <= 1 / 255 + 1e-6  # the 8-bit PNG only
-    resized = predictors.read_images([run["jpg"]], predictors.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3))
+    resized = predictors.read_images([run["jpg"]], artifacts.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3))
     assert resized.shape == (1, IMAGE_SIZE, IMAGE_SIZE, 3) and 0.0 <= resized.min() <= resized.max() <= 1.0
 
 
@@ -94,7 +94,7 @@ def test_tflite_export_predicts_like_the_run_with_its_own_metadata(run):
     tflite = os.path.join(run["run_dir"], "export", "float16", "model.tflite")
     predictor = predictors.load(tflite)
     assert predictor.format == "tflite" and predictor.class_names == data.SHAPES_CLASS_NAMES
-    assert predictor.preprocessing == predictors.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3)
+    assert predictor.preprocessing == artifacts.Preprocessing(IMAGE_SIZE, IMAGE_SIZE, 3)
     expected = run["model"](run["images"]).numpy()
     assert np.abs(predictor.predict(run["images"]) - expected).max() < 1e-2  # float16 weights
     top = predictors.top_k(predictor.predict(run["images"][:1])[0], 2, predictor.class_names)

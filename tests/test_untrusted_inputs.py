@@ -23,7 +23,7 @@ from tfmp.classification import data as classification_data
 from tfmp.detection import data as detection_data
 from tfmp.errors import UsageError
 from tfmp.input import image_files
-from tfmp.serving import export, predictors, trust
+from tfmp.serving import artifacts, export, predictors, trust
 
 SIZE = 8  # the tiny classifier's input: 8x8x3
 EPSILON = float(np.finfo(np.float32).eps)
@@ -124,7 +124,7 @@ def test_a_coco_dataset_with_a_bomb_is_refused_before_anything_decodes(tmp_path)
 def test_predict_refuses_a_bomb_before_decoding_it(bomb, tmp_path):
     path, _ = bomb
     with pytest.raises(UsageError, match=f"image '{path}' is a .* PNG of 20000x20000"):
-        predictors.read_images([path], predictors.Preprocessing(SIZE, SIZE, 3))
+        predictors.read_images([path], artifacts.Preprocessing(SIZE, SIZE, 3))
     with pytest.raises(UsageError, match="20000x20000"):
         detection_data.read_image(path, 64)
 
@@ -138,7 +138,7 @@ def test_normal_images_decode_to_the_same_pixels_as_before(tmp_path):
         before = tf.clip_by_value(
             tf.image.resize(tf.image.convert_image_dtype(raw, tf.float32), (SIZE, SIZE), antialias=True), 0, 1
         ).numpy()
-        now = predictors.read_images([str(tmp_path / name)], predictors.Preprocessing(SIZE, SIZE, 3))[0]
+        now = predictors.read_images([str(tmp_path / name)], artifacts.Preprocessing(SIZE, SIZE, 3))[0]
         assert np.abs(now - before).max() <= 2 * EPSILON, name
         square_before = detection_data.fit_to_square(
             tf.image.convert_image_dtype(raw, tf.float32), tf.zeros([0, 4]), tf.zeros([0], tf.int32), 32
@@ -177,7 +177,7 @@ def test_export_json_records_the_graph_digest_and_the_export_loads(models):
     with open(os.path.join(saved_model, "saved_model.pb"), "rb") as file:
         assert recorded == hashlib.sha256(file.read()).hexdigest()
     for path in (models["export"], saved_model):  # the export dir, or its SavedModel dir
-        assert predictors.saved_model_dir(path) == saved_model
+        assert artifacts.saved_model_dir(path) == saved_model
         assert predictors.load(path).predict(np.zeros((1, SIZE, SIZE, 3), np.float32)).shape == (1, 3)
     assert not [name for name in os.listdir(models["export"]) if name.startswith(".tmp-")]
 
@@ -257,7 +257,7 @@ BROKEN_EXPORT_JSON = [
 def test_a_malformed_export_json_is_one_usage_error_naming_the_file(tmp_path, content, message):
     (tmp_path / "export.json").write_bytes(content)
     (tmp_path / "model.keras").write_bytes(b"never read")
-    for call in (predictors.kind_of, predictors.load):
+    for call in (artifacts.kind_of, predictors.load):
         with pytest.raises(UsageError) as refused:
             call(str(tmp_path))
         text = str(refused.value)

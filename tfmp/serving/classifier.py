@@ -3,7 +3,7 @@
 This module registers it in `tfmp.serving.export.KINDS` (the SavedModel's `serving_default`:
 float32 `images` in, float32 `probabilities` out; a difference table of max |difference| of
 the probabilities and top-1 agreement against the trained weights computed in float32, on eval
-batches of the run's classification dataset) and in `tfmp.serving.predictors.KINDS` (runs of
+batches of the run's classification dataset) and in `tfmp.serving.artifacts.KINDS` (runs of
 any `tfmp.models` name; `apps.predict` prints the top-k classes of each image).
 """
 
@@ -18,7 +18,7 @@ from tfmp import models
 from tfmp.classification import data as classification_data
 from tfmp.errors import UsageError
 from tfmp.input import image_files
-from tfmp.serving import copies, export, predictors
+from tfmp.serving import artifacts, copies, export, predictors
 
 
 # ----------------------------------------------------------------------------- exporting
@@ -135,7 +135,7 @@ export.KINDS["classifier"] = export.ExportKind(
     table=table,
     eval_images=eval_images,
 )
-predictors.KINDS["classifier"] = predictors.PredictionKind(
+artifacts.KINDS["classifier"] = artifacts.PredictionKind(
     trains=lambda name: name in models.MODELS,
     class_names=class_names,
     predict_files=classify_files,

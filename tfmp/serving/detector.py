@@ -2,7 +2,7 @@
 
 This module registers the "detector" kind (models whose outputs are RetinaNet's dict
 `{"classes": logits, "boxes": deltas}`) in `tfmp.serving.export.KINDS` and
-`tfmp.serving.predictors.KINDS`; importing `tfmp.serving` imports it, so use
+`tfmp.serving.artifacts.KINDS`; importing `tfmp.serving` imports it, so use
 `tfmp.serving.export.export`/`export_run` and `apps.predict` as for a classifier. What a
 detector export holds:
 
@@ -38,7 +38,7 @@ from tfmp.detection import boxes, data, retinanet, visualize
 from tfmp.detection import predict as run_predict
 from tfmp.errors import UsageError
 from tfmp.input import image_files
-from tfmp.serving import copies, export, predictors
+from tfmp.serving import artifacts, copies, export, predictors
 
 RAW_SIGNATURE = "raw_outputs"
 DEFAULT_OPTIONS = {"score_threshold": 0.05, "iou_threshold": 0.5, "max_detections": 100}
@@ -342,7 +342,7 @@ def predict(model: str, paths: list[str], settings: dict, kind: str = "detector"
     trust_saved_model, max_image_pixels; `kind` and `find` as for `predict_files` (another
     detector kind passes its own)."""
     score_threshold = settings.get("score_threshold", 0.3)
-    if os.path.isdir(model) and predictors.run_kind(model) == kind:
+    if os.path.isdir(model) and artifacts.run_kind(model) == kind:
         return run_predict.predict_files(
             model,
             paths,
@@ -393,7 +393,7 @@ SECTION = {
     "num_classes": "count",
     "anchor_levels": "counts",
 }
-predictors.KINDS["detector"] = predictors.PredictionKind(
+artifacts.KINDS["detector"] = artifacts.PredictionKind(
     trains=lambda name: name in retinanet.DETECTORS,
     class_names=detection_class_names,
     predict_files=predict,

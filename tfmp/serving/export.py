@@ -49,7 +49,7 @@ import tensorflow as tf
 
 from tfmp import run_dir as run_files
 from tfmp.errors import UsageError, unknown
-from tfmp.serving import copies, predictors, trust
+from tfmp.serving import artifacts, copies, predictors, trust
 
 FORMATS = ("saved_model", "tflite", "keras")
 PRECISIONS = copies.PRECISIONS
@@ -231,7 +231,7 @@ def export(
                 (layer.dtype_policy.name for layer in model.layers if layer.weights), None
             ),
             batch_norms_folded=len(copies.batch_norm_folds(model)),
-            preprocessing=predictors.Preprocessing.from_shape(image_shape).to_json(),
+            preprocessing=artifacts.Preprocessing.from_shape(image_shape).to_json(),
             artifacts=rows,
         )
         if skipped:
@@ -328,13 +328,13 @@ def export_run(
         output_dir or os.path.join(run_dir, run_files.EXPORT_DIR), "--output_dir"
     )
     trained = run_files.read_flags(run_dir).get("model")
-    if trained and not any(spec.trains(trained) for spec in predictors.KINDS.values()):
+    if trained and not any(spec.trains(trained) for spec in artifacts.KINDS.values()):
         raise UsageError(
             f"--model_dir={run_dir} trained {trained!r}, which apps.export cannot export yet "
-            f"(it exports {', '.join(predictors.KINDS)} runs; a new kind registers in tfmp.serving)"
+            f"(it exports {', '.join(artifacts.KINDS)} runs; a new kind registers in tfmp.serving)"
         )
     model = predictors.KerasPredictor(model_path, {}).model
-    metadata = predictors.run_metadata(run_dir)
+    metadata = artifacts.run_metadata(run_dir)
     kind_formats(model_kind(model), formats, trained or model.name)  # refused before reading data
     kind = KINDS[model_kind(model)]
     found = None

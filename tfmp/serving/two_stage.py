@@ -2,7 +2,7 @@
 
 This module registers the "two_stage_detector" kind (models whose outputs hold the second
 stage's "rois" and the detections' "valid_detections": `tfmp.detection.faster_rcnn`) in
-`tfmp.serving.export.KINDS` and `tfmp.serving.predictors.KINDS`, so `apps.export` and
+`tfmp.serving.export.KINDS` and `tfmp.serving.artifacts.KINDS`, so `apps.export` and
 `apps.predict` take a Faster R-CNN run or export like a RetinaNet one. What an export holds:
 
 * `saved_model/` - `serving_default`: float32 `images` [B, S, S, 3] in [0, 1] in (the function
@@ -41,7 +41,7 @@ import tensorflow as tf
 
 from tfmp.detection import faster_rcnn
 from tfmp.errors import UsageError
-from tfmp.serving import copies, detector, export, predictors
+from tfmp.serving import artifacts, copies, detector, export, predictors
 
 KIND = "two_stage_detector"
 DETECTION_KEYS = ("boxes", "scores", "classes", "valid_detections")
@@ -220,7 +220,7 @@ export.KINDS[KIND] = export.ExportKind(
     resize=detector.PREPROCESSING,
     unsupported={"tflite": NO_TFLITE},
 )
-predictors.KINDS[KIND] = predictors.PredictionKind(
+artifacts.KINDS[KIND] = artifacts.PredictionKind(
     trains=lambda name: name in faster_rcnn.DETECTORS,
     class_names=detector.detection_class_names,
     predict_files=functools.partial(detector.predict, kind=KIND, find=detections),
