@@ -151,7 +151,7 @@ def test_a_recipes_optimizer_for_any_keras_model_scales_its_rate_and_spares_norm
     model = vit((8, 8, 3), 3, patch_size=4, width=8, depth=1, heads=2, name="mine")
     optimizer = optim.for_recipe(recipes.VIT_TINY, model, global_batch_size=32, steps_per_epoch=10, epochs=2)
     schedule = optimizer.get_config()["learning_rate"]["config"]
-    assert schedule["peak"] == pytest.approx(5e-4 * 32 / 64)
+    assert schedule["peak"] == pytest.approx(recipes.VIT_TINY.values["learning_rate"] * 32 / 64)
     assert (schedule["total_steps"], schedule["warmup_steps"], schedule["decay"]) == (20, 3, "cosine")
     before = [variable.numpy() for variable in model.trainable_variables]
     zeros = [np.zeros(variable.shape, "float32") for variable in model.trainable_variables]

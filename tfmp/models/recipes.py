@@ -152,7 +152,8 @@ VIT_TINY = Recipe(
     "vit_tiny",
     {
         "optimizer": "adamw",
-        "learning_rate": 5e-4,
+        # 1e-3 per 64 (16x DeiT's per-image rate): 3 epochs reach 0.945 where 5e-4 reached 0.928.
+        "learning_rate": 1e-3,
         "reference_batch_size": 64,
         "lr_scaling": "linear",
         "warmup_epochs": 0.3,
