@@ -254,7 +254,7 @@ def vit(
     features = keras.layers.Flatten(dtype=dtype, name=f"{name}_features")(x)
     # keras-hub's ViT initialisers (Glorot patch embedding and head, a N(0, 0.05) class token), not
     # big_vision's zero head and class token and lecun-normal patches: the blocks' first gradients
-    # pass through the head, zero at the start. On the built-in shapes with vit_tiny's recipe over
-    # 2 epochs these reach 0.61 / 0.86 after epochs 1 / 2 against 0.31 / 0.54 (docs/recipes.md).
+    # pass through the head, zero at the start. On the built-in shapes with vit_tiny's recipe (rate 5e-4
+    # then) over 2 epochs these reach 0.61 / 0.86 after epochs 1 / 2 against 0.31 / 0.54 (docs/recipes.md).
     probabilities = classifier_head(features, num_classes, name)
     return functional_model(images, probabilities, name, dtype)
