@@ -481,22 +481,25 @@ def test_tiny_fused_norm_keras_model_and_bn_study_run(tmp_path):
     assert set(engine) == {(p, f) for p in ("float32", "mixed_bfloat16") for f in (False, True)}
     for found in engine.values():
         assert found["image_shape"] == [32, 32, 3] and 0 < found["variables_mb"] < found["peak_memory_mb"]
-    # At batch 8 fusing saves about one float32 activation per BatchNormalization, while the
-    # executor's order under a loaded machine can keep the largest activation (block 1's
-    # 8x32x32x32 float32: 1 MiB) alive across the peak or not: the bound allows that one tensor.
-    largest_activation_mb = 8 * 32 * 32 * 32 * 4 / 2**20
-    assert (
-        engine[("mixed_bfloat16", True)]["peak_memory_mb"]
-        <= engine[("mixed_bfloat16", False)]["peak_memory_mb"] + largest_activation_mb
-    )
+    # The two cells' live peaks are reported, not compared: at batch 8 fusing saves about one
+    # activation per BatchNormalization (~1 MiB), while on a CPU without oneDNN Eigen's
+    # convolution workspaces move this tiny model's peak by more than that from process to
+    # process (fused 55.3 vs Keras' 52.1 MiB in the full suite of 2026-12-08; 55-86 MiB over
+    # batches, below). What fusing keeps for the backward pass is deterministic: the studies' check.
     fused = {row["precision"]: row for row in report["ratios"]["fused_vs_keras_norm"]}
     assert set(fused) == {"float32", "mixed_bfloat16"}
-    keras_peak = engine[("mixed_bfloat16", False)]["peak_memory_mb"]
-    assert fused["mixed_bfloat16"]["peak_memory"] <= (keras_peak + largest_activation_mb) / keras_peak
+    for precision, row in fused.items():
+        peaks = engine[(precision, True)]["peak_memory_mb"], engine[(precision, False)]["peak_memory_mb"]
+        assert (row["peak_memory_mb"], row["keras_peak_memory_mb"]) == peaks
+        assert row["peak_memory"] == pytest.approx(peaks[0] / peaks[1])
     studies = [c for c in report["cells"] if c["kind"] == "bn_study"]
     assert [c["result"]["policy"] for c in studies] == ["float32", "mixed_bfloat16", "mixed_float16"]
     assert [c["result"]["compute_dtype"] for c in studies] == ["float32", "bfloat16", "float16"]
     assert all(len(c["result"]["ratios"]) == 2 for c in studies)
+    # In half precision Keras' BatchNormalization keeps a float32 copy of its input for the
+    # backward pass; the fused kernel keeps the half-precision input.
+    for study in studies[1:]:
+        assert 0 < study["result"]["fused_kept_mb"] < study["result"]["keras_kept_mb"], study["result"]
     assert len(report["ratios"]["fused_vs_keras_bn"]) == 3
     assert "fused / Keras normalization: keras_bn_cnn mixed_bfloat16 batch 8" in result.stdout
     assert "BatchNormalization alone, fwd+bwd on 4x8x8x16 mixed_float16" in result.stdout
